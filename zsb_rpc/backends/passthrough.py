@@ -1,0 +1,32 @@
+"""No isolation at all, for platforms without a backend. It says so everywhere."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from ..policy import ResolvedPolicy
+from .base import Availability, LaunchSpec
+
+WARNING = "passthrough backend: the command runs without any isolation or resource limits"
+
+
+class PassthroughBackend:
+    name = "passthrough"
+    isolated = False
+
+    def probe(self) -> Availability:
+        return Availability(True, None, (WARNING,))
+
+    def check_cwd(self, policy: ResolvedPolicy, cwd: Path) -> str | None:
+        return None
+
+    def launch_spec(
+        self, policy: ResolvedPolicy, argv: Sequence[str], cwd: Path, env: Mapping[str, str]
+    ) -> LaunchSpec:
+        program = argv[0]
+        if "/" not in program:
+            # exec does not search PATH for us with an explicit environment.
+            program = shutil.which(program, path=env.get("PATH")) or program
+        return LaunchSpec(argv=[program, *argv[1:]], cwd=str(cwd), env=dict(env), isolated=False, warnings=[WARNING])

@@ -1,0 +1,47 @@
+"""What this machine can enforce and how, without creating anything."""
+
+from __future__ import annotations
+
+import sys
+
+from . import __version__
+from .backends import all_backends, default_backend_name
+from .limits import plan_limits
+from .protocol import PROTOCOL_VERSION
+from .protocol.types import BackendInfo, CapabilitiesParams, CapabilitiesResult
+
+
+def report_capabilities(params: CapabilitiesParams) -> CapabilitiesResult:
+    infos = []
+    warnings: list[str] = []
+    for name, backend in all_backends().items():
+        availability = backend.probe()
+        infos.append(BackendInfo(name=name, available=availability.available, isolated=backend.isolated,
+                                 reason=availability.reason))
+    default = default_backend_name()
+    chosen = next((info for info in infos if info.name == default), None)
+    if chosen is None or not chosen.available:
+        warnings.append(f"no session can open: {chosen.reason if chosen else 'no backend for ' + sys.platform}")
+        backend_name, isolated = None, False
+    else:
+        backend_name, isolated = chosen.name, chosen.isolated
+        warnings.extend(all_backends()[default].probe().warnings)
+    plan = plan_limits(params.limits, params.memory_strategy, isolated=isolated, requested_only=False)
+    warnings.extend(plan.warnings)
+    m = plan.mechanisms
+    return CapabilitiesResult(
+        server_version=__version__,
+        protocol_version=PROTOCOL_VERSION,
+        platform=sys.platform,
+        backend=backend_name,
+        isolated=isolated,
+        memory=m["memory"],  # type: ignore[arg-type]
+        cpu_seconds=m["cpuSeconds"],  # type: ignore[arg-type]
+        cpu_percent=m["cpuPercent"],  # type: ignore[arg-type]
+        processes=m["processes"],  # type: ignore[arg-type]
+        file_size_bytes=m["fileSizeBytes"],  # type: ignore[arg-type]
+        open_files=m["openFiles"],  # type: ignore[arg-type]
+        core_dumps=m["coreDumps"],  # type: ignore[arg-type]
+        backends=infos,
+        warnings=warnings,
+    )

@@ -1,0 +1,301 @@
+"""What a sandboxed command may touch, validated and resolved to concrete paths.
+
+Pure functions from request parameters to a ``ResolvedPolicy``; backends turn
+that into their own mechanism. The rules, names and defaults follow the
+product's policy model: paths are absolute (``~`` expanded), writable paths
+exist and are resolved through symbolic links, the filesystem root is never
+writable, a denial beats a permission, and a denied-read path that would hide
+a writable one is the caller's error when the caller asked for it and a
+warning when it is a default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .protocol.errors import InvalidParams
+from .protocol.types import Limits
+
+#: Host variables a command receives unless the session says otherwise. Where
+#: API keys and tokens live (everything else) is withheld.
+DEFAULT_INHERITED_ENVIRONMENT: tuple[str, ...] = (
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LC_ALL", "LC_CTYPE", "LC_MESSAGES",
+    "TERM", "TZ", "TMPDIR", "COLORTERM", "NO_COLOR",
+    "SYSTEMROOT", "SYSTEMDRIVE", "WINDIR", "COMSPEC", "PATHEXT", "TEMP", "TMP",
+    "USERPROFILE", "APPDATA", "LOCALAPPDATA", "PROGRAMFILES", "PROGRAMDATA",
+)
+
+#: Files that run code in a later, unsandboxed context (a login shell, git, an
+#: editor): a command that may write the workspace must not plant them.
+PROTECTED_FILE_NAMES: tuple[str, ...] = (
+    ".bashrc", ".bash_profile", ".zshrc", ".zprofile", ".profile",
+    ".gitconfig", ".gitmodules", ".ripgreprc", ".mcp.json",
+)
+PROTECTED_DIRECTORY_NAMES: tuple[str, ...] = (".vscode", ".idea")
+#: Inside a repository: what git executes (hooks) or trusts (config).
+PROTECTED_GIT_NAMES: tuple[str, ...] = ("hooks", "config")
+
+#: Credential locations under the home directory: a process that can read them
+#: and reach the network can send them anywhere.
+SENSITIVE_HOME_PATHS: tuple[str, ...] = (
+    ".ssh", ".aws", ".gnupg", ".azure", ".kube", ".config/gcloud", ".config/gh",
+    ".docker/config.json", ".docker/run/docker.sock", ".netrc", ".npmrc", ".pypirc",
+    ".git-credentials", "Library/Keychains",
+)
+#: Container-engine sockets: connecting to one is root on the host, and a
+#: read-only mount does not stop a connection to a socket file.
+SENSITIVE_SOCKET_PATHS: tuple[str, ...] = (
+    "/var/run/docker.sock", "/run/docker.sock", "/var/run/podman/podman.sock", "/run/podman/podman.sock",
+    "/run/containerd/containerd.sock", "/var/run/containerd/containerd.sock",
+)
+
+#: Large, generated trees where no repository hides; the search skips them.
+_SKIPPED_DIRECTORIES = frozenset({
+    "node_modules", ".venv", "venv", "__pycache__", ".tox", ".mypy_cache", ".pytest_cache",
+    ".ruff_cache", "target", "dist", "build", ".git",
+})
+_PROTECTED_SEARCH_DEPTH = 3
+_PROTECTED_SEARCH_ENTRIES = 10_000
+
+MINIMUM_MEMORY_BYTES = 16 * 1024 * 1024
+DEFAULT_TIMEOUT_SECONDS = 60.0
+DEFAULT_OUTPUT_LIMIT = 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedPolicy:
+    """A session's policy as concrete absolute paths a backend can enforce."""
+
+    workspace: Path
+    writable: tuple[Path, ...]
+    denied_write: tuple[Path, ...]
+    protected_write: tuple[Path, ...]
+    denied_read: tuple[Path, ...]
+    network: str
+    environment: Mapping[str, str]
+    limits: Limits
+    memory_strategy: str
+    timeout: float | None
+    output_limit: int
+    warnings: tuple[str, ...] = ()
+    home: Path = field(default_factory=Path.home)
+
+    @property
+    def unwritable(self) -> tuple[Path, ...]:
+        return _unique((*self.denied_write, *self.protected_write))
+
+
+def _unique(paths: Iterable[Path]) -> tuple[Path, ...]:
+    return tuple(dict.fromkeys(paths))
+
+
+def check_text(value: str, field_name: str) -> str:
+    """Refuse NUL and text the OS cannot hold (lone surrogates), before it reaches exec."""
+    if "\0" in value:
+        raise InvalidParams(field_name, "must not contain NUL")
+    try:
+        os.fsencode(value)
+    except UnicodeError:
+        raise InvalidParams(field_name, "must be valid Unicode (no lone surrogates)") from None
+    return value
+
+
+def as_path(value: str, field_name: str, home: Path) -> Path:
+    """Expand ``~`` and require an absolute path, so a policy never depends on the server's cwd."""
+    check_text(value, field_name)
+    if value == "~" or value.startswith("~/"):
+        value = str(home) + value[1:]
+    path = Path(value)
+    if not path.is_absolute():
+        raise InvalidParams(field_name, f"must be an absolute path (or start with ~/), got {value!r}")
+    return path
+
+
+def check_limits(limits: Limits) -> None:
+    """Floors are what the launcher itself needs: it is a process with descriptors of its own."""
+    for name, wire, minimum, note in (
+        ("cpu_seconds", "cpuSeconds", 1, ""),
+        ("cpu_percent", "cpuPercent", 1, ""),
+        ("processes", "processes", 8, " (the launcher is a process in the tree)"),
+        ("file_size_bytes", "fileSizeBytes", 1, ""),
+        ("open_files", "openFiles", 16, " (the launcher needs descriptors of its own)"),
+        ("memory_bytes", "memoryBytes", MINIMUM_MEMORY_BYTES, " (16 MiB: the launcher must start)"),
+    ):
+        value = getattr(limits, name)
+        if value is not None and value < minimum:
+            raise InvalidParams(f"params.limits.{wire}", f"must be an integer of at least {minimum}{note}, or null")
+        if value is not None and value > 2**62:
+            raise InvalidParams(f"params.limits.{wire}", "is too large")
+    if not 0.01 <= limits.memory_sample_seconds <= 60:
+        raise InvalidParams("params.limits.memorySampleSeconds", "must be between 0.01 and 60")
+
+
+def check_timeout(value: float | None, field_name: str) -> float | None:
+    if value is not None and not 0 < value <= 7 * 24 * 3600:
+        raise InvalidParams(field_name, "must be a number of seconds above 0 and at most a week, or null for none")
+    return value
+
+
+def check_output_limit(value: int, field_name: str) -> int:
+    if not 0 <= value <= 1 << 40:
+        raise InvalidParams(field_name, "must be a number of bytes from 0 to 2**40")
+    return value
+
+
+def protected_in(root: Path) -> tuple[list[Path], bool]:
+    """Paths under one writable root that must stay unwritable.
+
+    The root contributes its well-known names whether they exist or not, so a
+    backend that can deny a missing path stops it being created; a shallow
+    search then finds the same names, and git repositories, below it.
+    """
+    found = [root / name for name in (*PROTECTED_FILE_NAMES, *PROTECTED_DIRECTORY_NAMES)]
+    found.extend(root / ".git" / name for name in PROTECTED_GIT_NAMES)
+    visited = 0
+    pending: deque[tuple[Path, int]] = deque([(root, 0)])
+    while pending:
+        directory, depth = pending.popleft()
+        try:
+            entries = list(os.scandir(directory))
+        except OSError:
+            continue
+        for entry in entries:
+            visited += 1
+            if visited > _PROTECTED_SEARCH_ENTRIES:
+                return found, True
+            try:
+                is_directory = entry.is_dir(follow_symlinks=False)
+            except OSError:
+                continue
+            path = directory / entry.name
+            if entry.name == ".git":
+                if is_directory:
+                    found.extend(path / name for name in PROTECTED_GIT_NAMES)
+                continue
+            if entry.name in PROTECTED_FILE_NAMES or (is_directory and entry.name in PROTECTED_DIRECTORY_NAMES):
+                found.append(path)
+            if is_directory and entry.name not in _SKIPPED_DIRECTORIES and depth + 1 < _PROTECTED_SEARCH_DEPTH:
+                pending.append((path, depth + 1))
+    return found, False
+
+
+def build_environment(
+    names: Iterable[str], extra: Mapping[str, str], source: Mapping[str, str], field_name: str
+) -> dict[str, str]:
+    """The allowlisted host variables, then ``extra``, which wins. Nothing else leaks through."""
+    wanted = set(names)
+    environment = {key: value for key, value in source.items() if key in wanted}
+    for key, value in extra.items():
+        if not key or "=" in key or "\0" in key:
+            raise InvalidParams(f"{field_name}", f"invalid environment variable name {key!r}")
+        check_text(key, field_name)
+        check_text(value, f"{field_name}.{key}")
+        environment[key] = value
+    return environment
+
+
+def command_arguments(command: str | Sequence[str], field_name: str = "params.command") -> list[str]:
+    """A string runs through ``/bin/sh -c``; a list runs directly, with nothing parsed."""
+    if isinstance(command, str):
+        if not command.strip():
+            raise InvalidParams(field_name, "cannot be blank")
+        arguments = ["/bin/sh", "-c", command]
+    else:
+        arguments = list(command)
+        if not arguments or not arguments[0]:
+            raise InvalidParams(field_name, "must be a non-empty string or a non-empty array of strings")
+    for argument in arguments:
+        check_text(argument, field_name)
+    return arguments
+
+
+def resolve_policy(
+    *,
+    workspace: Path,
+    writable: Sequence[str],
+    deny_write: Sequence[str],
+    deny_read: Sequence[str],
+    network: str,
+    env: Mapping[str, str],
+    inherit_environment: Sequence[str] | None,
+    limits: Limits,
+    memory_strategy: str,
+    timeout: float | None,
+    output_limit: int,
+    protect_defaults: bool,
+    home: Path,
+    source_environment: Mapping[str, str],
+) -> ResolvedPolicy:
+    """Turn a session's parameters into the concrete paths a backend enforces."""
+    check_limits(limits)
+    check_timeout(timeout, "params.timeout")
+    check_output_limit(output_limit, "params.outputLimit")
+    warnings: list[str] = []
+
+    roots: list[Path] = [workspace]
+    for index, value in enumerate(writable):
+        name = f"params.writable[{index}]"
+        path = as_path(value, name, home)
+        try:
+            resolved = path.resolve(strict=True)
+        except (OSError, RuntimeError):
+            raise InvalidParams(name, f"must exist: {value!r} does not exist or cannot be resolved") from None
+        roots.append(resolved)
+    for index, root in enumerate(roots):
+        if root == Path(root.anchor):
+            name = "params.workspace" if index == 0 else f"params.writable[{index - 1}]"
+            raise InvalidParams(name, "refusing to make the filesystem root writable")
+
+    denied_write = _unique(
+        as_path(v, f"params.denyWrite[{i}]", home).resolve(strict=False) for i, v in enumerate(deny_write)
+    )
+    explicit_denied_read = [
+        as_path(v, f"params.denyRead[{i}]", home).resolve(strict=False) for i, v in enumerate(deny_read)
+    ]
+    denied_read: list[Path] = list(explicit_denied_read)
+    protected: list[Path] = []
+    if protect_defaults:
+        candidates = [home / relative for relative in SENSITIVE_HOME_PATHS]
+        candidates.extend(Path(socket) for socket in SENSITIVE_SOCKET_PATHS)
+        denied_read.extend(path.resolve(strict=False) for path in candidates if os.path.lexists(path))
+        for root in _unique(roots):
+            paths, truncated = protected_in(root)
+            protected.extend(paths)
+            if truncated:
+                warnings.append(f"{root}: too many entries to search for protected files; only part of the tree is covered")
+
+    kept_denied_read: list[Path] = []
+    for index, denied in enumerate(denied_read):
+        inside = [root for root in roots if root == denied or root.is_relative_to(denied)]
+        if not inside:
+            kept_denied_read.append(denied)
+        elif index < len(explicit_denied_read):
+            raise InvalidParams(f"params.denyRead[{index}]", f"{denied} would hide the writable path {inside[0]}")
+        else:
+            warnings.append(f"default read protection of {denied} skipped: it contains the writable path {inside[0]}")
+
+    names = DEFAULT_INHERITED_ENVIRONMENT if inherit_environment is None else tuple(inherit_environment)
+    for index, name in enumerate(names):
+        if not name or "=" in name or "\0" in name:
+            raise InvalidParams(f"params.inheritEnvironment[{index}]", "must be a variable name (no '=' or NUL)")
+    environment = build_environment(names, env, source_environment, "params.env")
+
+    return ResolvedPolicy(
+        workspace=workspace,
+        writable=_unique(roots),
+        denied_write=denied_write,
+        protected_write=_unique(protected),
+        denied_read=_unique(kept_denied_read),
+        network=network,
+        environment=environment,
+        limits=limits,
+        memory_strategy=memory_strategy,
+        timeout=timeout,
+        output_limit=output_limit,
+        warnings=tuple(warnings),
+        home=home,
+    )

@@ -1,0 +1,218 @@
+"""The one place that spawns processes: pipes, output caps, streaming, timeout, kill.
+
+Every command starts in a session and process group of its own, with only
+stdin, stdout and stderr (``close_fds``), so it can never write to the
+server's JSON-RPC pipes. Output is always read to the end: what exceeds the
+output limit is discarded, so a flood neither fills memory nor blocks the
+command, while streaming still delivers every byte. A cancelled run kills its
+tree before the cancellation propagates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import codecs
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from .backends import LaunchSpec
+from .protocol.errors import SpawnFailed
+
+CHUNK_BYTES = 64 * 1024
+#: How long to wait for pipes to close after the command exited (a helper that
+#: outlives it in the passthrough backend keeps them open; it is then killed).
+PIPE_GRACE_SECONDS = 1.0
+
+OutputSink = Callable[[str, str], Awaitable[None]]
+
+
+@dataclass
+class StreamCapture:
+    limit: int
+    encoding: str
+    kept: bytearray = field(default_factory=bytearray)
+    truncated: bool = False
+
+    def text(self) -> str:
+        data = bytes(self.kept)
+        if self.encoding == "base64":
+            return base64.b64encode(data).decode("ascii")
+        # Cut at a character boundary: a truncated stream must not end in U+FFFD
+        # for half a character.
+        return codecs.getincrementaldecoder("utf-8")("replace").decode(data, final=not self.truncated)
+
+
+@dataclass
+class RunOutcome:
+    exit_code: int
+    stdout: StreamCapture
+    stderr: StreamCapture
+    timed_out: bool
+    killed: bool
+    duration_seconds: float
+    signal_number: int | None
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL a command's process group, its descendants, and the process itself.
+
+    For bubblewrap, killing the outer bwrap kills the sandbox's PID 1 (it has
+    PDEATHSIG from --die-with-parent), and the kernel then kills everything in
+    the PID namespace, setsid children included.
+    """
+    descendants = []
+    try:
+        import psutil  # imported here: start-up does not need it
+
+        descendants = psutil.Process(pid).children(recursive=True)
+    except Exception:  # the process is already gone, or psutil cannot see it
+        pass
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signal.SIGKILL)
+    for child in descendants:
+        with contextlib.suppress(Exception):
+            child.kill()
+
+
+class RunningCommand:
+    """A spawned command; ``kill()`` ends its whole tree from anywhere (session close, shutdown)."""
+
+    def __init__(self) -> None:
+        self.process: asyncio.subprocess.Process | None = None
+        self.killed = False
+
+    def kill(self) -> None:
+        self.killed = True
+        if self.process is not None and self.process.returncode is None:
+            kill_process_tree(self.process.pid)
+
+
+async def _pump(
+    reader: asyncio.StreamReader, name: str, capture: StreamCapture, sink: OutputSink | None
+) -> None:
+    decoder = codecs.getincrementaldecoder("utf-8")("replace") if capture.encoding != "base64" else None
+    while True:
+        chunk = await reader.read(CHUNK_BYTES)
+        if not chunk:
+            break
+        room = capture.limit - len(capture.kept)
+        if room > 0:
+            capture.kept += chunk[:room]
+        if len(chunk) > room:
+            capture.truncated = True
+        if sink is not None:
+            data = decoder.decode(chunk) if decoder else base64.b64encode(chunk).decode("ascii")
+            if data:
+                await sink(name, data)
+    if sink is not None and decoder is not None:
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            await sink(name, tail)
+
+
+async def _feed(writer: asyncio.StreamWriter, data: bytes) -> None:
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        if data:
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+
+def _exit_code(returncode: int, folds_signals: bool) -> tuple[int, int | None]:
+    """(exitCode, signal) from a status; negative when a signal ended the command.
+
+    bubblewrap reports a command killed by signal N as status 128+N, the same
+    convention shells use, so for it 129..192 is read as a signal.
+    """
+    if returncode < 0:
+        return returncode, -returncode
+    if folds_signals and 128 < returncode <= 128 + 64:
+        return -(returncode - 128), returncode - 128
+    return returncode, None
+
+
+async def run_command(
+    spec: LaunchSpec,
+    handle: RunningCommand,
+    *,
+    stdin: bytes | None,
+    timeout: float | None,
+    output_limit: int,
+    encoding: str,
+    sink: OutputSink | None,
+    folds_signals: bool,
+) -> RunOutcome:
+    started = time.monotonic()
+    try:
+        process = await asyncio.create_subprocess_exec(
+            *spec.argv,
+            cwd=spec.cwd,
+            env=spec.env,
+            stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            close_fds=True,
+        )
+    except OSError as error:
+        raise SpawnFailed(f"cannot start {spec.argv[0]}: {error.strerror or error}") from None
+    handle.process = process
+    if handle.killed:  # closed while spawning
+        handle.kill()
+    assert process.stdout is not None and process.stderr is not None
+    out = StreamCapture(output_limit, encoding)
+    err = StreamCapture(output_limit, encoding)
+    pumps = [
+        asyncio.ensure_future(_pump(process.stdout, "stdout", out, sink)),
+        asyncio.ensure_future(_pump(process.stderr, "stderr", err, sink)),
+    ]
+    feeder = asyncio.ensure_future(_feed(process.stdin, stdin)) if process.stdin is not None and stdin is not None else None
+    exited = asyncio.ensure_future(process.wait())
+    timed_out = False
+    try:
+        try:
+            await asyncio.wait_for(asyncio.shield(exited), timeout)
+        except TimeoutError:
+            timed_out = True
+            handle.kill()
+            await exited
+        if not spec.isolated:
+            # The command is done: whatever it left in its group goes too. (In a
+            # sandbox the PID namespace ended with it, and the pid may be reused.)
+            kill_process_tree(process.pid)
+        _, pending = await asyncio.wait(pumps, timeout=PIPE_GRACE_SECONDS)
+        for task in pending:
+            task.cancel()
+        for task in pumps:
+            if not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+    except BaseException:
+        # Cancelled (or failed): stop the tree first, then let it propagate.
+        handle.kill()
+        for task in (*pumps, feeder):
+            if task is not None:
+                task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.shield(exited)
+        raise
+    finally:
+        if feeder is not None:
+            feeder.cancel()
+    exit_code, signal_number = _exit_code(process.returncode or 0, folds_signals)
+    return RunOutcome(
+        exit_code=exit_code,
+        stdout=out,
+        stderr=err,
+        timed_out=timed_out,
+        killed=handle.killed and not timed_out,
+        duration_seconds=time.monotonic() - started,
+        signal_number=signal_number,
+    )

@@ -1,0 +1,235 @@
+"""The session table: open, run, wrap, close, and teardown when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .backends import Backend, select_backend
+from .limits import plan_limits
+from .policy import (
+    DEFAULT_OUTPUT_LIMIT,
+    DEFAULT_TIMEOUT_SECONDS,
+    ResolvedPolicy,
+    as_path,
+    build_environment,
+    check_output_limit,
+    check_timeout,
+    command_arguments,
+    resolve_policy,
+)
+from .protocol.errors import InvalidParams, SessionClosed, SessionNotFound
+from .protocol.types import (
+    UNSET,
+    Resources,
+    RunParams,
+    RunResult,
+    SessionCloseParams,
+    SessionCloseResult,
+    SessionOpenParams,
+    SessionOpenResult,
+    Truncated,
+    WrapParams,
+    WrapResult,
+)
+from .runner import OutputSink, RunningCommand, run_command
+from .workspaces import remove_tree, server_directory
+
+logger = logging.getLogger(__name__)
+
+# Signals that are the kernel's evidence of a limit being hit.
+_SIGNAL_LIMITS = {24: "cpu", 25: "file_size"}  # SIGXCPU, SIGXFSZ
+
+
+@dataclass
+class Session:
+    id: str
+    policy: ResolvedPolicy
+    backend: Backend
+    private_workspace: Path | None
+    warnings: list[str]
+    runs: set[RunningCommand] = field(default_factory=set)
+    closed: bool = False
+
+
+class SessionTable:
+    def __init__(self, *, environ: Mapping[str, str] | None = None) -> None:
+        self._sessions: dict[str, Session] = {}
+        self._environ = dict(os.environ if environ is None else environ)
+        self._home = Path(self._environ.get("HOME") or os.path.expanduser("~"))
+        self._directory: Path | None = None
+
+    def _private_root(self) -> Path:
+        if self._directory is None:
+            self._directory = server_directory()
+        return self._directory
+
+    def _get(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionNotFound(f"params.sessionId: no open session {session_id!r}")
+        return session
+
+    def open(self, params: SessionOpenParams) -> SessionOpenResult:
+        backend, warnings = select_backend(params.backend, params.require_isolation)
+        timeout = DEFAULT_TIMEOUT_SECONDS if params.timeout is UNSET else params.timeout
+        private: Path | None = None
+        if params.workspace is None:
+            session_id = "s-" + secrets.token_hex(8)
+            private = self._private_root() / f"ws-{session_id}"
+            private.mkdir(mode=0o700)
+            workspace = private
+        else:
+            session_id = "s-" + secrets.token_hex(8)
+            given = as_path(params.workspace, "params.workspace", self._home)
+            try:
+                workspace = given.resolve(strict=True)
+            except (OSError, RuntimeError):
+                raise InvalidParams("params.workspace", f"must be an existing directory: {params.workspace!r}") from None
+            if not workspace.is_dir():
+                raise InvalidParams("params.workspace", f"must be a directory: {params.workspace!r}")
+        try:
+            policy = resolve_policy(
+                workspace=workspace,
+                writable=params.writable,
+                deny_write=params.deny_write,
+                deny_read=params.deny_read,
+                network=params.network,
+                env=params.env,
+                inherit_environment=params.inherit_environment,
+                limits=params.limits,
+                memory_strategy=params.memory_strategy,
+                timeout=timeout,  # type: ignore[arg-type]
+                output_limit=params.output_limit,
+                protect_defaults=params.protect_defaults,
+                home=self._home,
+                source_environment=self._environ,
+            )
+            plan = plan_limits(policy.limits, policy.memory_strategy, isolated=backend.isolated, requested_only=True)
+        except BaseException:
+            if private is not None:
+                remove_tree(private)
+            raise
+        warnings.extend(policy.warnings)
+        warnings.extend(plan.warnings)
+        session = Session(session_id, policy, backend, private, warnings)
+        self._sessions[session_id] = session
+        logger.info("opened %s on %s in %s", session_id, backend.name, workspace)
+        return SessionOpenResult(
+            session_id=session_id, workspace=str(workspace), backend=backend.name, isolated=backend.isolated,
+            warnings=warnings,
+        )
+
+    def _cwd(self, session: Session, cwd: str | None) -> Path:
+        if cwd is None:
+            return session.policy.workspace
+        path = Path(cwd)
+        if not path.is_absolute():
+            path = session.policy.workspace / path
+        try:
+            resolved = path.resolve(strict=True)
+        except (OSError, RuntimeError):
+            raise InvalidParams("params.cwd", f"must be an existing directory: {cwd!r}") from None
+        if not resolved.is_dir():
+            raise InvalidParams("params.cwd", f"must be a directory: {cwd!r}")
+        reason = session.backend.check_cwd(session.policy, resolved)
+        if reason:
+            raise InvalidParams("params.cwd", f"{resolved} {reason}")
+        return resolved
+
+    def _prepare(self, params: RunParams | WrapParams):
+        session = self._get(params.session_id)
+        argv = command_arguments(params.command)
+        cwd = self._cwd(session, params.cwd)
+        env = build_environment((), {**session.policy.environment, **params.env}, {}, "params.env")
+        spec = session.backend.launch_spec(session.policy, argv, cwd, env)
+        plan = plan_limits(session.policy.limits, session.policy.memory_strategy,
+                           isolated=session.backend.isolated, requested_only=True)
+        if plan.prefix:
+            spec.argv[:0] = plan.prefix
+        return session, spec, plan
+
+    def wrap(self, params: WrapParams) -> WrapResult:
+        _, spec, plan = self._prepare(params)
+        return WrapResult(argv=spec.argv, cwd=spec.cwd, env=spec.env, warnings=[*spec.warnings, *plan.warnings])
+
+    async def run(self, params: RunParams, notify_output: OutputSink | None) -> RunResult:
+        session, spec, plan = self._prepare(params)
+        timeout = session.policy.timeout if params.timeout is UNSET else params.timeout
+        check_timeout(timeout, "params.timeout")  # type: ignore[arg-type]
+        output_limit = session.policy.output_limit if params.output_limit is None else params.output_limit
+        check_output_limit(output_limit, "params.outputLimit")
+        stdin: bytes | None = None
+        if params.input is not None:
+            if params.encoding == "base64":
+                try:
+                    stdin = base64.b64decode(params.input, validate=True)
+                except (binascii.Error, ValueError):
+                    raise InvalidParams("params.input", "must be base64 when encoding is base64") from None
+            else:
+                try:
+                    stdin = params.input.encode("utf-8")
+                except UnicodeError:
+                    raise InvalidParams("params.input", "must be valid Unicode (no lone surrogates)") from None
+        handle = RunningCommand()
+        session.runs.add(handle)
+        try:
+            outcome = await run_command(
+                spec, handle, stdin=stdin, timeout=timeout, output_limit=output_limit,  # type: ignore[arg-type]
+                encoding=params.encoding, sink=notify_output if params.run_id is not None else None,
+                folds_signals=session.backend.isolated,
+            )
+        finally:
+            session.runs.discard(handle)
+        if outcome.killed and session.closed:
+            raise SessionClosed(f"session {session.id} was closed while the command ran")
+        limits_hit = []
+        if outcome.signal_number in _SIGNAL_LIMITS and not outcome.timed_out:
+            limits_hit.append(_SIGNAL_LIMITS[outcome.signal_number])
+        return RunResult(
+            exit_code=outcome.exit_code,
+            stdout=outcome.stdout.text(),
+            stderr=outcome.stderr.text(),
+            timed_out=outcome.timed_out,
+            truncated=Truncated(stdout=outcome.stdout.truncated, stderr=outcome.stderr.truncated),
+            isolated=spec.isolated,
+            duration_seconds=round(outcome.duration_seconds, 6),
+            resources=Resources(mechanisms=plan.mechanisms, limits_hit=limits_hit,
+                                warnings=[*spec.warnings, *plan.warnings]),
+        )
+
+    async def close(self, params: SessionCloseParams) -> SessionCloseResult:
+        session = self._get(params.session_id)
+        del self._sessions[session.id]
+        removed = await self._teardown(session)
+        return SessionCloseResult(session_id=session.id, removed_workspace=removed)
+
+    async def _teardown(self, session: Session) -> bool:
+        session.closed = True
+        for handle in list(session.runs):
+            handle.kill()
+        # Wait (briefly) for the killed runs to be reaped before removing files
+        # they may still hold open.
+        for _ in range(100):
+            if not session.runs:
+                break
+            await asyncio.sleep(0.01)
+        if session.private_workspace is None:
+            return False
+        await asyncio.get_running_loop().run_in_executor(None, remove_tree, session.private_workspace)
+        return True
+
+    async def close_all(self) -> None:
+        sessions = list(self._sessions.values())
+        self._sessions.clear()
+        await asyncio.gather(*(self._teardown(s) for s in sessions), return_exceptions=True)
+        if self._directory is not None:
+            remove_tree(self._directory)
+            self._directory = None
