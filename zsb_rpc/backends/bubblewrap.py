@@ -76,7 +76,7 @@ def probe_bwrap() -> tuple[Availability, str | None, bool]:
     if bwrap is None:
         return Availability(False, f"bubblewrap is not installed: {_INSTALL_HINT}"), None, False
     disable_userns = _version(bwrap) >= (0, 8, 0)
-    argv = [bwrap, *_BASE_FLAGS, *(["--disable-userns"] if disable_userns else []), "--", "/bin/true"]
+    argv = [bwrap, *_BASE_MOUNTS, *_BASE_ISOLATION, *(["--disable-userns"] if disable_userns else []), "--", "/bin/true"]
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=10, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.SubprocessError) as error:
@@ -88,8 +88,8 @@ def probe_bwrap() -> tuple[Availability, str | None, bool]:
     return Availability(True, None, tuple(warnings)), bwrap, disable_userns
 
 
-# Flags every sandbox gets, in the order bwrap applies them.
-_BASE_FLAGS: tuple[str, ...] = (
+# Mounts every sandbox starts from, in the order bwrap applies them.
+_BASE_MOUNTS: tuple[str, ...] = (
     # Read the machine, write nothing.
     "--ro-bind", "/", "/",
     # A fresh /dev (null, zero, random, tty, pts, shm) and no host devices.
@@ -98,6 +98,10 @@ _BASE_FLAGS: tuple[str, ...] = (
     "--proc", "/proc",
     # Private temporary space, gone with the sandbox.
     "--tmpfs", "/tmp",
+)
+
+# Namespaces and privileges every sandbox gets.
+_BASE_ISOLATION: tuple[str, ...] = (
     # New user, PID, IPC, UTS, network and cgroup namespaces.
     "--unshare-all",
     # Explicit, so that root too gets a user namespace of its own: capabilities
@@ -123,7 +127,7 @@ def build_bwrap_argv(
     is_dir: Callable[[Path], bool] = os.path.isdir,
 ) -> list[str]:
     """The whole bwrap command line for one command. Pure apart from ``exists``/``is_dir``."""
-    args = [bwrap, *_BASE_FLAGS[:8]]  # the mounts: root, /dev, /proc, /tmp
+    args = [bwrap, *_BASE_MOUNTS]
     for root in policy.writable:
         args += ["--bind", str(root), str(root)]
     for path in policy.unwritable:
@@ -140,7 +144,7 @@ def build_bwrap_argv(
         else:
             # Files and sockets alike: /dev/null cannot be read from or connected to.
             args += ["--ro-bind", "/dev/null", str(path)]
-    args += list(_BASE_FLAGS[8:])
+    args += _BASE_ISOLATION
     if disable_userns:
         # No nested user namespace: it would hand the command fresh capabilities
         # over mounts it creates.
