@@ -25,15 +25,21 @@ def _policy(**overrides) -> ResolvedPolicy:
 
 
 def test_bwrap_argv_is_exactly_mounts_in_order_then_isolation_then_command():
-    present = {Path("/w/locked"), Path("/w/.bashrc"), Path("/h/.ssh"), Path("/h/.netrc")}
+    present = {Path("/w/locked"), Path("/w/.bashrc"), Path("/w/.git"), Path("/w/.git/hooks"), Path("/h/.ssh"),
+               Path("/h/.netrc")}
     argv = build_bwrap_argv("/usr/bin/bwrap", _policy(), ["/bin/sh", "-c", "echo hi"], Path("/w/sub"),
+                            masked_sockets=[Path("/run/daemon.sock")],
                             exists=lambda p: p in present, is_dir=lambda p: p == Path("/h/.ssh"))
     assert argv == [
         "/usr/bin/bwrap",
         "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp",
         "--bind", "/w", "/w", "--bind", "/data", "/data",
+        # .git is bound onto itself so that it cannot be renamed away from its hooks.
+        "--bind", "/w/.git", "/w/.git",
         "--ro-bind", "/w/locked", "/w/locked", "--ro-bind", "/w/.bashrc", "/w/.bashrc",
+        "--ro-bind", "/w/.git/hooks", "/w/.git/hooks",
         "--tmpfs", "/h/.ssh", "--remount-ro", "/h/.ssh", "--ro-bind", "/dev/null", "/h/.netrc",
+        "--ro-bind", "/dev/null", "/run/daemon.sock",
         "--unshare-all", "--unshare-user", "--cap-drop", "ALL", "--die-with-parent", "--new-session",
         "--disable-userns",
         "--chdir", "/w/sub", "--", "/bin/sh", "-c", "echo hi",
@@ -95,7 +101,21 @@ def test_policy_protects_git_metadata_found_below_the_workspace(tmp_path: Path):
     (tmp_path / "a" / "b" / ".git").mkdir(parents=True)
     policy = _resolve(tmp_path)
     assert tmp_path / "a" / "b" / ".git" / "hooks" in policy.protected_write
-    assert tmp_path / ".bashrc" in policy.protected_write
+    # Missing at the root: placeholders, parents first; shell files only in a home directory.
+    kinds = {p.path.relative_to(tmp_path).as_posix(): p.kind for p in policy.placeholders}
+    assert kinds == {".git": "dir", ".git/hooks": "dir", ".git/config": "file", ".vscode": "dir", ".idea": "dir",
+                     ".mcp.json": "file"}
+    as_home = _resolve(tmp_path, home=tmp_path)
+    assert tmp_path / ".bashrc" in as_home.protected_write
+    assert any(p.path == tmp_path / ".bashrc" for p in as_home.placeholders)
+
+
+def test_anchors_are_the_directories_between_a_protected_path_and_its_root():
+    from zsb_rpc.backends.bubblewrap import anchors_for
+
+    policy = _policy(writable=(Path("/w"),))
+    assert anchors_for(policy, [Path("/w/a/b/.git/hooks"), Path("/w/.bashrc"), Path("/elsewhere/x")]) == [
+        Path("/w/a"), Path("/w/a/b"), Path("/w/a/b/.git")]
 
 
 def test_command_arguments():

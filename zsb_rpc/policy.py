@@ -38,6 +38,14 @@ PROTECTED_FILE_NAMES: tuple[str, ...] = (
 PROTECTED_DIRECTORY_NAMES: tuple[str, ...] = (".vscode", ".idea")
 #: Inside a repository: what git executes (hooks) or trusts (config).
 PROTECTED_GIT_NAMES: tuple[str, ...] = ("hooks", "config")
+#: Read by a login shell or by git from a home directory only: where a writable
+#: root is a home directory, these are protected even when they do not exist.
+HOME_STARTUP_FILES: tuple[str, ...] = (
+    ".bashrc", ".bash_profile", ".zshrc", ".zprofile", ".profile", ".gitconfig", ".ripgreprc",
+)
+#: Read by an editor or an agent from a project root: protected there even
+#: when they do not exist.
+PROJECT_ROOT_NAMES: tuple[tuple[str, str], ...] = ((".vscode", "dir"), (".idea", "dir"), (".mcp.json", "file"))
 
 #: Credential locations under the home directory: a process that can read them
 #: and reach the network can send them anywhere.
@@ -83,6 +91,8 @@ class ResolvedPolicy:
     output_limit: int
     warnings: tuple[str, ...] = ()
     home: Path = field(default_factory=Path.home)
+    placeholders: tuple[Placeholder, ...] = ()
+    allow_unix_sockets: tuple[Path, ...] = ()
 
     @property
     def unwritable(self) -> tuple[Path, ...]:
@@ -146,15 +156,70 @@ def check_output_limit(value: int, field_name: str) -> int:
     return value
 
 
-def protected_in(root: Path) -> tuple[list[Path], bool]:
-    """Paths under one writable root that must stay unwritable.
+@dataclass(frozen=True, slots=True)
+class Placeholder:
+    """A protected path that does not exist yet: ``kind`` is ``file`` or ``dir``."""
 
-    The root contributes its well-known names whether they exist or not, so a
-    backend that can deny a missing path stops it being created; a shallow
-    search then finds the same names, and git repositories, below it.
+    path: Path
+    kind: str
+
+
+def _gitdir_of(dotgit: Path) -> Path | None:
+    """The repository a ``.git`` file (worktree, submodule) points at."""
+    try:
+        text = dotgit.read_text(errors="replace")[:4096]
+    except OSError:
+        return None
+    if not text.startswith("gitdir:"):
+        return None
+    target = Path(text[len("gitdir:"):].strip())
+    return (dotgit.parent / target).resolve(strict=False) if not target.is_absolute() else target
+
+
+def _git_metadata(dotgit: Path, create: bool) -> tuple[list[Path], list[Placeholder]]:
+    if dotgit.is_symlink():
+        return [dotgit], []
+    if dotgit.is_dir():
+        paths = [dotgit / name for name in PROTECTED_GIT_NAMES]
+        missing = [Placeholder(dotgit / "hooks", "dir")] if create and not os.path.lexists(dotgit / "hooks") else []
+        if create and not os.path.lexists(dotgit / "config"):
+            missing.append(Placeholder(dotgit / "config", "file"))
+        return paths, missing
+    if dotgit.is_file():
+        gitdir = _gitdir_of(dotgit)
+        return [dotgit, *((gitdir / name) for name in PROTECTED_GIT_NAMES)] if gitdir else [dotgit], []
+    if create:
+        # No repository yet: an empty one-of-ours .git keeps a command from
+        # creating one with hooks that the user's next git command would run.
+        # git skips a .git without HEAD, so a parent repository still works.
+        return [dotgit / name for name in PROTECTED_GIT_NAMES], [
+            Placeholder(dotgit, "dir"), Placeholder(dotgit / "hooks", "dir"), Placeholder(dotgit / "config", "file"),
+        ]
+    return [], []
+
+
+def protected_in(root: Path, *, create_missing: bool, home_like: bool) -> tuple[list[Path], list[Placeholder], bool]:
+    """Paths under one writable root that must stay unwritable, and which of them to create first.
+
+    At the root, the well-known names are protected whether they exist or not
+    (``create_missing``: a backend that can only protect what exists gets
+    empty placeholders for them); a shallow search then finds existing names,
+    and git repositories, below it. Returns (paths, placeholders, truncated).
     """
-    found = [root / name for name in (*PROTECTED_FILE_NAMES, *PROTECTED_DIRECTORY_NAMES)]
-    found.extend(root / ".git" / name for name in PROTECTED_GIT_NAMES)
+    found: list[Path] = []
+    missing: list[Placeholder] = []
+    for name in (*PROTECTED_FILE_NAMES, *PROTECTED_DIRECTORY_NAMES):
+        if os.path.lexists(root / name):
+            found.append(root / name)
+    if create_missing:
+        wanted = [(name, "file") for name in HOME_STARTUP_FILES] if home_like else []
+        for name, kind in (*wanted, *PROJECT_ROOT_NAMES):
+            if not os.path.lexists(root / name):
+                found.append(root / name)
+                missing.append(Placeholder(root / name, kind))
+    paths, placeholders = _git_metadata(root / ".git", create_missing)
+    found.extend(paths)
+    missing.extend(placeholders)
     visited = 0
     pending: deque[tuple[Path, int]] = deque([(root, 0)])
     while pending:
@@ -166,21 +231,36 @@ def protected_in(root: Path) -> tuple[list[Path], bool]:
         for entry in entries:
             visited += 1
             if visited > _PROTECTED_SEARCH_ENTRIES:
-                return found, True
+                return found, missing, True
             try:
                 is_directory = entry.is_dir(follow_symlinks=False)
             except OSError:
                 continue
             path = directory / entry.name
+            if directory == root:
+                if is_directory and entry.name not in _SKIPPED_DIRECTORIES and depth + 1 < _PROTECTED_SEARCH_DEPTH:
+                    pending.append((path, depth + 1))
+                continue  # the root's own names were handled above
             if entry.name == ".git":
-                if is_directory:
-                    found.extend(path / name for name in PROTECTED_GIT_NAMES)
+                found.extend(_git_metadata(path, False)[0])
                 continue
             if entry.name in PROTECTED_FILE_NAMES or (is_directory and entry.name in PROTECTED_DIRECTORY_NAMES):
                 found.append(path)
             if is_directory and entry.name not in _SKIPPED_DIRECTORIES and depth + 1 < _PROTECTED_SEARCH_DEPTH:
                 pending.append((path, depth + 1))
-    return found, False
+    return found, missing, False
+
+
+def home_directories(home: Path) -> set[Path]:
+    """The server's home and every home in the user database: where shell startup files are read."""
+    homes = {home.resolve(strict=False)}
+    try:
+        import pwd
+
+        homes.update(Path(entry.pw_dir).resolve(strict=False) for entry in pwd.getpwall() if entry.pw_dir not in ("", "/"))
+    except (ImportError, OSError):
+        pass
+    return homes
 
 
 def build_environment(
@@ -229,6 +309,8 @@ def resolve_policy(
     protect_defaults: bool,
     home: Path,
     source_environment: Mapping[str, str],
+    private_workspace: bool = False,
+    allow_unix_sockets: Sequence[str] = (),
 ) -> ResolvedPolicy:
     """Turn a session's parameters into the concrete paths a backend enforces."""
     check_limits(limits)
@@ -258,13 +340,18 @@ def resolve_policy(
     ]
     denied_read: list[Path] = list(explicit_denied_read)
     protected: list[Path] = []
+    placeholders: list[Placeholder] = []
     if protect_defaults:
         candidates = [home / relative for relative in SENSITIVE_HOME_PATHS]
         candidates.extend(Path(socket) for socket in SENSITIVE_SOCKET_PATHS)
         denied_read.extend(path.resolve(strict=False) for path in candidates if os.path.lexists(path))
-        for root in _unique(roots):
-            paths, truncated = protected_in(root)
+        homes = home_directories(home)
+        for index, root in enumerate(_unique(roots)):
+            # A private workspace is deleted at close: nothing in it runs later.
+            create = not (private_workspace and index == 0)
+            paths, missing, truncated = protected_in(root, create_missing=create, home_like=root in homes)
             protected.extend(paths)
+            placeholders.extend(missing)
             if truncated:
                 warnings.append(f"{root}: too many entries to search for protected files; only part of the tree is covered")
 
@@ -284,6 +371,9 @@ def resolve_policy(
             raise InvalidParams(f"params.inheritEnvironment[{index}]", "must be a variable name (no '=' or NUL)")
     environment = build_environment(names, env, source_environment, "params.env")
 
+    sockets = tuple(
+        as_path(v, f"params.allowUnixSockets[{i}]", home).resolve(strict=False) for i, v in enumerate(allow_unix_sockets)
+    )
     return ResolvedPolicy(
         workspace=workspace,
         writable=_unique(roots),
@@ -298,4 +388,6 @@ def resolve_policy(
         output_limit=output_limit,
         warnings=tuple(warnings),
         home=home,
+        placeholders=tuple(placeholders),
+        allow_unix_sockets=sockets,
     )

@@ -57,6 +57,7 @@ class Session:
     warnings: list[str]
     runs: set[RunningCommand] = field(default_factory=set)
     closed: bool = False
+    prepared: list[Path] = field(default_factory=list)
 
 
 class SessionTable:
@@ -111,15 +112,23 @@ class SessionTable:
                 protect_defaults=params.protect_defaults,
                 home=self._home,
                 source_environment=self._environ,
+                private_workspace=private is not None,
+                allow_unix_sockets=params.allow_unix_sockets,
             )
             plan = plan_limits(policy.limits, policy.memory_strategy, isolated=backend.isolated, requested_only=True)
+            prepared = backend.prepare(policy)
         except BaseException:
             if private is not None:
                 remove_tree(private)
             raise
         warnings.extend(policy.warnings)
         warnings.extend(plan.warnings)
-        session = Session(session_id, policy, backend, private, warnings)
+        if prepared:
+            warnings.append(
+                "created empty placeholders so that these protected paths stay unwritable (removed at close): "
+                + ", ".join(str(p) for p in prepared)
+            )
+        session = Session(session_id, policy, backend, private, warnings, prepared=prepared)
         self._sessions[session_id] = session
         logger.info("opened %s on %s in %s", session_id, backend.name, workspace)
         return SessionOpenResult(
@@ -221,6 +230,7 @@ class SessionTable:
             if not session.runs:
                 break
             await asyncio.sleep(0.01)
+        session.backend.release(session.prepared)
         if session.private_workspace is None:
             return False
         await asyncio.get_running_loop().run_in_executor(None, remove_tree, session.private_workspace)

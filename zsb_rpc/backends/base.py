@@ -43,6 +43,14 @@ class Backend(Protocol):
         """Why ``cwd`` cannot be the working directory inside the sandbox, or None."""
         ...
 
+    def prepare(self, policy: ResolvedPolicy) -> list[Path]:
+        """Set up what the session needs on the host (placeholders); returns what was created."""
+        ...
+
+    def release(self, created: list[Path]) -> None:
+        """Undo ``prepare``: remove what it created, if it is still as it was made."""
+        ...
+
     def launch_spec(
         self, policy: ResolvedPolicy, argv: Sequence[str], cwd: Path, env: Mapping[str, str]
     ) -> LaunchSpec: ...

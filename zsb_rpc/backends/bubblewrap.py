@@ -1,5 +1,25 @@
 """Linux backend on bubblewrap: namespaces, bind mounts, no capabilities.
 
+Protected paths hold because every one of them is a mount point: a mount
+point cannot be renamed, removed or replaced (EBUSY), and neither can the
+directories between it and its writable root, which are bound onto
+themselves ("anchors") so that ``mv .git .git.old; mkdir -p .git/hooks``
+fails at the first step. A protected path that does not exist yet has
+nothing to mount on, so the session creates an empty placeholder for it
+(removed at close if still empty); a placeholder that cannot be created
+fails the session, rather than leaving the path unprotected.
+
+Host Unix sockets: with ``network: "none"`` the sandbox has its own network
+namespace, which already separates abstract sockets. A socket *file* is
+reachable across namespaces, and a read-only mount does not stop connect(),
+so every listening socket the host has (``/proc/net/unix`` of the server's
+namespace, read afresh for each run) is covered with /dev/null, except those
+the session allows. Why not seccomp: a filter sees connect()'s arguments but
+cannot read the path behind the sockaddr pointer, so it could only forbid
+AF_UNIX sockets outright, which breaks socketpair users and servers a command
+starts in its own workspace; masking keeps both working. What it cannot
+cover: a socket a host process creates after the run started.
+
 ``build_bwrap_argv`` is a pure function from policy to argv, tested by
 comparing the whole argv. The order of bwrap options is the order bwrap
 applies them, so every later mount lands on top of the earlier ones: the
@@ -17,7 +37,11 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from ..policy import ResolvedPolicy
+import contextlib
+import stat
+
+from ..policy import Placeholder, ResolvedPolicy
+from ..protocol.errors import InvalidParams
 from .base import Availability, LaunchSpec
 
 #: Distribution security profiles (AppArmor on Ubuntu 24.04) cover this path,
@@ -116,6 +140,41 @@ _BASE_ISOLATION: tuple[str, ...] = (
 )
 
 
+def _depth(path: Path) -> int:
+    return len(path.parts)
+
+
+def anchors_for(policy: ResolvedPolicy, protected: Sequence[Path]) -> list[Path]:
+    """Directories between each protected path and its writable root, to bind onto themselves."""
+    found: set[Path] = set()
+    for path in protected:
+        roots = [root for root in policy.writable if path.is_relative_to(root) and path != root]
+        if not roots:
+            continue
+        root = max(roots, key=_depth)
+        parent = path.parent
+        while parent != root and parent.is_relative_to(root):
+            found.add(parent)
+            parent = parent.parent
+    return sorted(found, key=lambda p: (_depth(p), str(p)))
+
+
+def host_unix_sockets(table: str = "/proc/net/unix") -> list[Path]:
+    """Paths of the Unix sockets bound in the server's network namespace."""
+    paths: list[Path] = []
+    try:
+        with open(table, encoding="utf-8", errors="surrogateescape") as handle:
+            next(handle, None)
+            for line in handle:
+                fields = line.split(None, 7)
+                # Abstract sockets show as "@name": the network namespace separates them.
+                if len(fields) == 8 and fields[7].startswith("/"):
+                    paths.append(Path(fields[7].rstrip("\n")))
+    except OSError:
+        pass
+    return paths
+
+
 def build_bwrap_argv(
     bwrap: str,
     policy: ResolvedPolicy,
@@ -123,27 +182,33 @@ def build_bwrap_argv(
     cwd: Path,
     *,
     disable_userns: bool = True,
+    masked_sockets: Sequence[Path] = (),
     exists: Callable[[Path], bool] = os.path.lexists,
     is_dir: Callable[[Path], bool] = os.path.isdir,
 ) -> list[str]:
-    """The whole bwrap command line for one command. Pure apart from ``exists``/``is_dir``."""
+    """The whole bwrap command line for one command. Pure apart from ``exists``/``is_dir``.
+
+    Mount groups go in this order, each group parents first, because a later
+    mount lands on top of an earlier one and a denial must beat a permission.
+    """
     args = [bwrap, *_BASE_MOUNTS]
-    for root in policy.writable:
+    for root in sorted(policy.writable, key=_depth):
         args += ["--bind", str(root), str(root)]
-    for path in policy.unwritable:
-        # A missing path has nothing to bind; creating a placeholder would
-        # leave debris in the caller's directory.
-        if exists(path):
-            args += ["--ro-bind", str(path), str(path)]
-    for path in policy.denied_read:
-        if not exists(path):
-            continue
+    unwritable = [path for path in policy.unwritable if exists(path)]
+    for anchor in anchors_for(policy, unwritable):
+        if exists(anchor):
+            args += ["--bind", str(anchor), str(anchor)]
+    for path in sorted(unwritable, key=_depth):
+        args += ["--ro-bind", str(path), str(path)]
+    for path in sorted((p for p in policy.denied_read if exists(p)), key=_depth):
         if is_dir(path):
             # An empty, read-only directory in its place.
             args += ["--tmpfs", str(path), "--remount-ro", str(path)]
         else:
             # Files and sockets alike: /dev/null cannot be read from or connected to.
             args += ["--ro-bind", "/dev/null", str(path)]
+    for path in masked_sockets:
+        args += ["--ro-bind", "/dev/null", str(path)]
     args += _BASE_ISOLATION
     if disable_userns:
         # No nested user namespace: it would hand the command fresh capabilities
@@ -153,6 +218,61 @@ def build_bwrap_argv(
         args.append("--share-net")
     args += ["--chdir", str(cwd), "--", *argv]
     return args
+
+
+def sockets_to_mask(policy: ResolvedPolicy, candidates: Sequence[Path]) -> list[Path]:
+    """Host sockets visible inside the sandbox that the session did not allow."""
+    if policy.network == "full":
+        return []
+    masked = []
+    for path in dict.fromkeys(candidates):
+        if path in policy.allow_unix_sockets or not _visible(policy, path):
+            continue
+        try:
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                continue
+        except OSError:
+            continue  # stale entry: the file is gone
+        masked.append(path)
+    return masked
+
+
+def create_placeholders(placeholders: Sequence[Placeholder]) -> list[Path]:
+    """Create each missing protected path empty; on failure undo and fail the session, naming it."""
+    created: list[Path] = []
+    for placeholder in placeholders:
+        path = placeholder.path
+        try:
+            if placeholder.kind == "dir":
+                path.mkdir(mode=0o755)
+            else:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+                os.close(fd)
+        except FileExistsError:
+            continue
+        except OSError as error:
+            if isinstance(error, PermissionError) and os.geteuid() != 0:
+                # We cannot create it, and the command runs as us without
+                # capabilities: it cannot create it either.
+                continue
+            remove_placeholders(created)
+            raise InvalidParams(
+                "params.workspace",
+                f"cannot protect {path}, which does not exist: {error.strerror}; create it, or set protectDefaults to false",
+            ) from None
+        created.append(path)
+    return created
+
+
+def remove_placeholders(created: Sequence[Path]) -> None:
+    """Remove placeholders that are still empty; anything a host process filled in stays."""
+    for path in reversed(created):
+        with contextlib.suppress(OSError):
+            info = path.lstat()
+            if stat.S_ISDIR(info.st_mode):
+                path.rmdir()
+            elif stat.S_ISREG(info.st_mode) and info.st_size == 0:
+                path.unlink()
 
 
 def _visible(policy: ResolvedPolicy, path: Path) -> bool:
@@ -176,6 +296,12 @@ class BubblewrapBackend:
             return "is not visible inside the sandbox (/tmp is private there, and denied paths are hidden)"
         return None
 
+    def prepare(self, policy: ResolvedPolicy) -> list[Path]:
+        return create_placeholders(policy.placeholders)
+
+    def release(self, created: list[Path]) -> None:
+        remove_placeholders(created)
+
     def launch_spec(
         self, policy: ResolvedPolicy, argv: Sequence[str], cwd: Path, env: Mapping[str, str]
     ) -> LaunchSpec:
@@ -186,7 +312,10 @@ class BubblewrapBackend:
         if "TMPDIR" in environment and not _visible(policy, Path(environment["TMPDIR"])):
             environment["TMPDIR"] = "/tmp"
         return LaunchSpec(
-            argv=build_bwrap_argv(bwrap, policy, argv, cwd, disable_userns=disable_userns),
+            argv=build_bwrap_argv(
+                bwrap, policy, argv, cwd, disable_userns=disable_userns,
+                masked_sockets=sockets_to_mask(policy, host_unix_sockets()),
+            ),
             cwd=str(cwd),
             env=environment,
             isolated=True,

@@ -22,6 +22,12 @@ class PassthroughBackend:
     def check_cwd(self, policy: ResolvedPolicy, cwd: Path) -> str | None:
         return None
 
+    def prepare(self, policy: ResolvedPolicy) -> list[Path]:
+        return []
+
+    def release(self, created: list[Path]) -> None:
+        return None
+
     def launch_spec(
         self, policy: ResolvedPolicy, argv: Sequence[str], cwd: Path, env: Mapping[str, str]
     ) -> LaunchSpec:

@@ -91,6 +91,10 @@ class SessionOpenParams:
     deny_write: list[str] = doc("Paths that stay unwritable even inside a writable path.", factory=list)
     deny_read: list[str] = doc("Paths hidden from reads, on top of the default credential paths.", factory=list)
     network: NetworkMode = doc("`none` (default): no network at all. `full`: the host's network.", default="none")
+    allow_unix_sockets: list[str] = doc(
+        "Host Unix sockets commands may connect to while network is `none`; every other host socket is unreachable.",
+        factory=list,
+    )
     env: dict[str, str] = doc("Variables every command of the session gets, on top of the allowlist.", factory=dict)
     inherit_environment: list[str] | None = doc(
         "Names of the server's variables commands receive; absent means the default allowlist.", default=None
