@@ -52,14 +52,17 @@ class RpcClient:
         self.eof = asyncio.get_running_loop().create_future()
 
     @classmethod
-    async def start(cls, command: ServerCommand) -> RpcClient:
+    async def start(cls, command: ServerCommand, **spawn: Any) -> RpcClient:
+        """Start the server; ``spawn`` overrides subprocess options (stderr, preexec_fn)."""
+        options: dict[str, Any] = dict(stderr=asyncio.subprocess.PIPE)
+        options.update(spawn)
         process = await asyncio.create_subprocess_exec(
             *command.argv,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
             env=command.env,
             limit=1 << 24,
+            **options,
         )
         return cls(process)
 
@@ -97,7 +100,8 @@ class RpcClient:
                 self.eof.set_result(None)
 
     async def _read_stderr(self) -> None:
-        assert self.process.stderr is not None
+        if self.process.stderr is None:
+            return
         while chunk := await self.process.stderr.read(65536):
             self.stderr += chunk
 
