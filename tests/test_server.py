@@ -27,8 +27,8 @@ async def test_capabilities_reports_backend_and_mechanisms_and_creates_nothing(s
     for name in ("memory", "cpuSeconds", "cpuPercent", "processes", "fileSizeBytes", "openFiles", "coreDumps"):
         assert caps[name] in ("cgroup", "rlimit", "rlimit_as", "watchdog", "none")
     # Nothing is claimed that is not enforced: a processor share needs a cgroup.
-    assert caps["cpuPercent"] == "none"
-    assert any("cpuPercent" in w for w in caps["warnings"])
+    assert (caps["cpuPercent"] == "cgroup") == (server_command.uid == 0)
+    assert (caps["cpuPercent"] == "none") == any(w.startswith("cpuPercent: not enforced") for w in caps["warnings"])
     assert {b["name"] for b in caps["backends"]} >= {"bubblewrap", "passthrough"}
     after = sorted(os.listdir(state)) if state.exists() else None
     assert before == after

@@ -29,6 +29,63 @@ CHUNK_BYTES = 64 * 1024
 PIPE_GRACE_SECONDS = 1.0
 
 OutputSink = Callable[[str, str], Awaitable[None]]
+Sample = dict[str, "int | float | None"]
+ResourceSink = Callable[[Sample], Awaitable[None]]
+
+
+@dataclass
+class Monitor:
+    """Periodic resource samples of a run: notifications, peak, and the memory watchdog."""
+
+    interval: float
+    sampler: Callable[[], Sample | None]
+    watchdog_memory: int | None = None
+    sink: ResourceSink | None = None
+    peak_memory: int | None = None
+    cpu_seconds: float | None = None
+    watchdog_fired: bool = False
+
+
+def sample_tree(pid: int) -> Sample:
+    """Memory, processor time and process count of a tree, from /proc (psutil)."""
+    import psutil
+
+    memory, cpu, count = 0, 0.0, 0
+    try:
+        root = psutil.Process(pid)
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                with process.oneshot():
+                    memory += process.memory_info().rss
+                    times = process.cpu_times()
+                    cpu += times.user + times.system
+                    count += 1
+            except psutil.Error:
+                continue
+    except psutil.Error:
+        pass
+    return {"memory": memory, "peak": None, "cpu": cpu, "processes": count}
+
+
+async def _watch(process: asyncio.subprocess.Process, handle: "RunningCommand", monitor: Monitor) -> None:
+    while process.returncode is None:
+        await asyncio.sleep(monitor.interval)
+        if process.returncode is not None:
+            break
+        sample = monitor.sampler() or sample_tree(process.pid)
+        memory = sample.get("memory")
+        peak = max(v for v in (sample.get("peak"), memory, monitor.peak_memory) if v is not None) \
+            if any(v is not None for v in (sample.get("peak"), memory, monitor.peak_memory)) else None
+        monitor.peak_memory = int(peak) if peak is not None else None
+        if sample.get("cpu") is not None:
+            monitor.cpu_seconds = float(sample["cpu"])  # type: ignore[arg-type]
+        sample["peak"] = monitor.peak_memory
+        if monitor.watchdog_memory is not None and memory is not None and memory > monitor.watchdog_memory:
+            monitor.watchdog_fired = True
+            handle.kill()
+            return
+        if monitor.sink is not None:
+            await monitor.sink(sample)
 
 
 @dataclass
@@ -149,6 +206,7 @@ async def run_command(
     encoding: str,
     sink: OutputSink | None,
     folds_signals: bool,
+    monitor: Monitor | None = None,
 ) -> RunOutcome:
     started = time.monotonic()
     try:
@@ -176,6 +234,7 @@ async def run_command(
     ]
     feeder = asyncio.ensure_future(_feed(process.stdin, stdin)) if process.stdin is not None and stdin is not None else None
     exited = asyncio.ensure_future(process.wait())
+    watcher = asyncio.ensure_future(_watch(process, handle, monitor)) if monitor is not None else None
     timed_out = False
     try:
         try:
@@ -206,13 +265,15 @@ async def run_command(
     finally:
         if feeder is not None:
             feeder.cancel()
+        if watcher is not None:
+            watcher.cancel()
     exit_code, signal_number = _exit_code(process.returncode or 0, folds_signals)
     return RunOutcome(
         exit_code=exit_code,
         stdout=out,
         stderr=err,
         timed_out=timed_out,
-        killed=handle.killed and not timed_out,
+        killed=handle.killed and not timed_out and not (monitor is not None and monitor.watchdog_fired),
         duration_seconds=time.monotonic() - started,
         signal_number=signal_number,
     )

@@ -47,7 +47,15 @@ class ZsbServer(JsonRPCServer):
                 # Back-pressure: a client that reads slowly slows the command, not our memory.
                 await self.protocol.drain()
 
-            return await sessions.run(params, notify_output)
+            async def notify_resources(sample: dict) -> None:
+                assert params.run_id is not None
+                self.protocol.notify("run/resources", t.RunResourcesNotification(
+                    run_id=params.run_id, session_id=params.session_id,
+                    memory_bytes=sample.get("memory"), peak_memory_bytes=sample.get("peak"),
+                    cpu_seconds=sample.get("cpu"), processes=sample.get("processes")))
+                await self.protocol.drain()
+
+            return await sessions.run(params, notify_output, notify_resources)
 
         @self.feature("wrap")
         async def wrap(params: t.WrapParams) -> t.WrapResult:

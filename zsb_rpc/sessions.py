@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .backends import Backend, select_backend
-from .limits import plan_limits
+from .limits import RunLimits, cleanup_server_cgroups, plan_limits
 from .policy import (
     DEFAULT_OUTPUT_LIMIT,
     DEFAULT_TIMEOUT_SECONDS,
@@ -39,13 +39,11 @@ from .protocol.types import (
     WrapParams,
     WrapResult,
 )
-from .runner import OutputSink, RunningCommand, run_command
+from .protocol.errors import SpawnFailed
+from .runner import Monitor, OutputSink, ResourceSink, RunningCommand, run_command
 from .workspaces import remove_tree, server_directory
 
 logger = logging.getLogger(__name__)
-
-# Signals that are the kernel's evidence of a limit being hit.
-_SIGNAL_LIMITS = {24: "cpu", 25: "file_size"}  # SIGXCPU, SIGXFSZ
 
 
 @dataclass
@@ -75,7 +73,7 @@ class SessionTable:
     def _get(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
         if session is None:
-            raise SessionNotFound(f"params.sessionId: no open session {session_id!r}")
+            raise SessionNotFound(session_id)
         return session
 
     def open(self, params: SessionOpenParams) -> SessionOpenResult:
@@ -153,24 +151,28 @@ class SessionTable:
             raise InvalidParams("params.cwd", f"{resolved} {reason}")
         return resolved
 
-    def _prepare(self, params: RunParams | WrapParams):
+    def _prepare(self, params: RunParams | WrapParams, *, allow_cgroups: bool):
         session = self._get(params.session_id)
         argv = command_arguments(params.command)
         cwd = self._cwd(session, params.cwd)
         env = build_environment((), {**session.policy.environment, **params.env}, {}, "params.env")
         spec = session.backend.launch_spec(session.policy, argv, cwd, env)
         plan = plan_limits(session.policy.limits, session.policy.memory_strategy,
-                           isolated=session.backend.isolated, requested_only=True)
-        if plan.prefix:
-            spec.argv[:0] = plan.prefix
+                           isolated=session.backend.isolated, requested_only=True, allow_cgroups=allow_cgroups)
         return session, spec, plan
 
     def wrap(self, params: WrapParams) -> WrapResult:
-        _, spec, plan = self._prepare(params)
-        return WrapResult(argv=spec.argv, cwd=spec.cwd, env=spec.env, warnings=[*spec.warnings, *plan.warnings])
+        session, spec, plan = self._prepare(params, allow_cgroups=False)
+        prefix = RunLimits(plan, session.policy.limits).start()
+        warnings = [*spec.warnings, *plan.warnings]
+        if plan.watchdog_memory is not None:
+            warnings.append("memory: the watchdog needs the server to run the command; not applied to a wrapped command")
+        return WrapResult(argv=[*prefix, *spec.argv], cwd=spec.cwd, env=spec.env, warnings=warnings)
 
-    async def run(self, params: RunParams, notify_output: OutputSink | None) -> RunResult:
-        session, spec, plan = self._prepare(params)
+    async def run(
+        self, params: RunParams, notify_output: OutputSink | None, notify_resources: ResourceSink | None = None
+    ) -> RunResult:
+        session, spec, plan = self._prepare(params, allow_cgroups=True)
         timeout = session.policy.timeout if params.timeout is UNSET else params.timeout
         check_timeout(timeout, "params.timeout")  # type: ignore[arg-type]
         output_limit = session.policy.output_limit if params.output_limit is None else params.output_limit
@@ -187,21 +189,46 @@ class SessionTable:
                     stdin = params.input.encode("utf-8")
                 except UnicodeError:
                     raise InvalidParams("params.input", "must be valid Unicode (no lone surrogates)") from None
+        limits = session.policy.limits
+        run_limits = RunLimits(plan, limits)
+        try:
+            spec.argv[:0] = run_limits.start()
+        except OSError as error:
+            raise SpawnFailed(f"cannot create the run's cgroup: {error}") from None
+        streaming = params.run_id is not None
+        monitor = None
+        if streaming or plan.watchdog_memory is not None or run_limits.cgroup is not None:
+            monitor = Monitor(
+                interval=limits.memory_sample_seconds,
+                sampler=run_limits.sample,
+                watchdog_memory=plan.watchdog_memory,
+                sink=notify_resources if streaming else None,
+            )
         handle = RunningCommand()
         session.runs.add(handle)
+        limits_hit: list[str] = []
+        outcome = None
         try:
             outcome = await run_command(
                 spec, handle, stdin=stdin, timeout=timeout, output_limit=output_limit,  # type: ignore[arg-type]
-                encoding=params.encoding, sink=notify_output if params.run_id is not None else None,
-                folds_signals=session.backend.isolated,
+                encoding=params.encoding, sink=notify_output if streaming else None,
+                folds_signals=session.backend.isolated, monitor=monitor,
             )
         finally:
             session.runs.discard(handle)
+            final = run_limits.sample()
+            limits_hit = run_limits.finish(outcome.exit_code if outcome else 0,
+                                           bytes(outcome.stderr.kept[-4096:]) if outcome else b"")
         if outcome.killed and session.closed:
             raise SessionClosed(f"session {session.id} was closed while the command ran")
-        limits_hit = []
-        if outcome.signal_number in _SIGNAL_LIMITS and not outcome.timed_out:
-            limits_hit.append(_SIGNAL_LIMITS[outcome.signal_number])
+        if monitor is not None and monitor.watchdog_fired:
+            limits_hit.insert(0, "memory")
+        if outcome.timed_out:
+            limits_hit = [hit for hit in limits_hit if hit != "cpu"]
+        peak = (final or {}).get("peak") or (monitor.peak_memory if monitor else None)
+        cpu = (final or {}).get("cpu")
+        if cpu is None and monitor is not None:
+            cpu = monitor.cpu_seconds
         return RunResult(
             exit_code=outcome.exit_code,
             stdout=outcome.stdout.text(),
@@ -210,7 +237,9 @@ class SessionTable:
             truncated=Truncated(stdout=outcome.stdout.truncated, stderr=outcome.stderr.truncated),
             isolated=spec.isolated,
             duration_seconds=round(outcome.duration_seconds, 6),
-            resources=Resources(mechanisms=plan.mechanisms, limits_hit=limits_hit,
+            resources=Resources(mechanisms=plan.mechanisms, limits_hit=list(dict.fromkeys(limits_hit)),
+                                peak_memory_bytes=int(peak) if peak is not None else None,
+                                cpu_seconds=round(float(cpu), 6) if cpu is not None else None,
                                 warnings=[*spec.warnings, *plan.warnings]),
         )
 
@@ -243,3 +272,4 @@ class SessionTable:
         if self._directory is not None:
             remove_tree(self._directory)
             self._directory = None
+        cleanup_server_cgroups()

@@ -20,7 +20,7 @@ import traceback
 from concurrent.futures import Future
 from typing import Any
 
-from lsprotocol.types import CANCEL_REQUEST, ResponseError, ResponseErrorMessage
+from lsprotocol.types import CANCEL_REQUEST, ResponseError
 from pygls.exceptions import JsonRpcException
 from pygls.protocol import JsonRPCProtocol
 
@@ -135,11 +135,14 @@ class ZsbProtocol(JsonRPCProtocol):
                 pass
 
     def send_error(self, msg_id: Any, code: int, message: str, data: Any = None) -> None:
-        self._send_data(ResponseErrorMessage(id=msg_id, error=ResponseError(code=code, message=message, data=data)))
+        error: dict[str, Any] = {"code": code, "message": message}
+        if data is not None:
+            error["data"] = data
+        self._send_data({"jsonrpc": "2.0", "id": msg_id, "error": error})
 
     def _send_response(self, msg_id: Any, result: Any = None, error: ResponseError | None = None) -> None:
         if error is not None:
-            self._send_data(ResponseErrorMessage(id=msg_id, error=error))
+            self.send_error(msg_id, error.code, error.message, error.data)
         else:
             if hasattr(result, "__attrs_attrs__"):
                 result = self._converter.unstructure(result)
@@ -228,7 +231,8 @@ class ZsbProtocol(JsonRPCProtocol):
             return
         if params is _MISSING or params is None:
             if spec.params_required:
-                self.send_error(msg_id, errors.INVALID_PARAMS, f"params: is required for {method} (an object)")
+                self.send_error(msg_id, errors.INVALID_PARAMS, f"params: is required for {method} (an object)",
+                                {"field": "params"})
                 return
             params = {}
         try:
@@ -249,7 +253,9 @@ class ZsbProtocol(JsonRPCProtocol):
             logger.warning("ignoring %s: %s", method, error.message)
             return
         if method == CANCEL_REQUEST:
-            self._handle_cancel_notification(structured.id)
+            # A cancel that crossed its request's answer is normal, not worth a warning.
+            if structured.id in self._request_futures:
+                self._handle_cancel_notification(structured.id)
 
 
 async def open_stdio(protocol: ZsbProtocol) -> asyncio.StreamReader:

@@ -148,11 +148,26 @@ def structure_params(converter: cattrs.Converter, value: Any, kind: type) -> Any
     try:
         return converter.structure(value, kind)
     except cattrs.BaseValidationError as error:
+        extra = _first_extra_key(error)
         messages = cattrs.transform_error(error, path="params", format_exception=_format_exception)
         field, _, rule = messages[0].rpartition(" @ ")[::-1] if " @ " in messages[0] else ("params", "", messages[0])
+        if extra is not None and rule.startswith("unknown field"):
+            field, rule = f"{field}.{extra}", "unknown field (wire names are camelCase)"
+            raise InvalidParams(field, rule) from None
         raise InvalidParams(_wire_path(field), rule) from None
     except (TypeError, ValueError) as error:
         raise InvalidParams("params", str(error)) from None
+
+
+def _first_extra_key(error: BaseException) -> str | None:
+    """The first unknown key of the first object that had one, as the caller spelled it."""
+    if isinstance(error, cattrs.ForbiddenExtraKeysError):
+        return sorted(error.extra_fields)[0]
+    for inner in getattr(error, "exceptions", ()):
+        found = _first_extra_key(inner)
+        if found is not None:
+            return found
+    return None
 
 
 def _format_exception(exc: BaseException, type_: Any) -> str:

@@ -60,6 +60,9 @@ class InvalidParams(ZsbError):
 class SessionNotFound(ZsbError):
     code = SESSION_NOT_FOUND
 
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"params.sessionId: no open session {session_id!r}", {"field": "params.sessionId"})
+
 
 class SandboxUnavailable(ZsbError):
     code = SANDBOX_UNAVAILABLE

@@ -23,7 +23,7 @@ REQUESTS: dict[str, Method] = {
         "What this machine can enforce and how. Creates nothing.",
     ),
     "session/open": Method(
-        t.SessionOpenParams, t.SessionOpenResult, True,
+        t.SessionOpenParams, t.SessionOpenResult, False,
         "Open a session: a workspace, a policy, limits.",
     ),
     "run": Method(t.RunParams, t.RunResult, True, "Run a command in a session and wait for it."),

@@ -237,6 +237,12 @@ def build_schema() -> dict[str, Any]:
     requests = {name: builder.method(name, spec, "in") for name, spec in REQUESTS.items()}
     client_notifications = {name: builder.method(name, spec, "in") for name, spec in CLIENT_NOTIFICATIONS.items()}
     server_notifications = {name: builder.method(name, spec, "out") for name, spec in SERVER_NOTIFICATIONS.items()}
+    # Every type of types.py, even one no method names (yet).
+    for value in vars(t).values():
+        if isinstance(value, type) and attrs.has(value):
+            builder.add_class(value)
+    for alias in builder.aliases.values():
+        builder.type_schema(alias)
     builder.finish()
     names = _error_names()
     error_codes = {
