@@ -249,3 +249,46 @@ async def test_bad_input_gets_errors_and_the_server_keeps_serving(server: RpcCli
     assert any(e.get("id") == 77 and e["error"]["code"] == -32600 for e in errors)
     for message in server.messages:
         assert "Traceback" not in str(message.get("error", ""))
+
+
+async def test_a_restarted_server_removes_what_a_killed_one_left_and_nothing_of_a_live_one(
+    server_command, scratch: Path, marker: str
+):
+    from tests.test_limits import _server_cgroups
+
+    live = await RpcClient.start(server_command)
+    doomed = await RpcClient.start(server_command)
+    try:
+        live_ws = Path((await live.open())["workspace"])
+        dead_ws = Path((await doomed.open(limits={"memoryBytes": 64 << 20, "processes": 64}))["workspace"])
+        given = await doomed.open(workspace=str(scratch))
+        assert (scratch / ".vscode").is_dir()  # a placeholder of the given workspace
+        doomed.send_request("run", {"sessionId": given["sessionId"], "command": f"sleep {marker}"})
+        sid = (await doomed.open(limits={"memoryBytes": 64 << 20, "processes": 64}))["sessionId"]
+        doomed.send_request("run", {"sessionId": sid, "command": f"sleep {marker}"})
+        for _ in range(100):
+            if len(processes_with(marker)) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        os.kill(doomed.pid, signal.SIGKILL)
+        await doomed.process.wait()
+        assert dead_ws.exists()
+        restarted = await RpcClient.start(server_command)
+        try:
+            await restarted.call("capabilities")
+            def leftovers() -> list:
+                cgroups = [p for p in _server_cgroups(True) if f"zsb-rpc-{doomed.pid}-" in p] if server_command.uid == 0 else []
+                return [p for p in (dead_ws, scratch / ".vscode") if p.exists()] + cgroups
+
+            for _ in range(100):
+                if not leftovers():
+                    break
+                await asyncio.sleep(0.05)
+            assert not dead_ws.exists() and not (scratch / ".vscode").exists()
+            assert live_ws.exists()
+            assert leftovers() == []
+        finally:
+            await restarted.aclose()
+    finally:
+        await live.aclose()
+        await doomed.aclose()

@@ -72,6 +72,8 @@ class ZsbServer(JsonRPCServer):
         stop = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(signum, stop.set)
+        # Off the start-up path: the first answer does not wait for it.
+        loop.run_in_executor(None, self.sessions.remove_stale)
         frames = asyncio.ensure_future(read_frames(reader, self.protocol.handle_body, self.protocol.framing_error))
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([frames, stopped], return_when=asyncio.FIRST_COMPLETED)

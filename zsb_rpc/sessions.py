@@ -41,7 +41,7 @@ from .protocol.types import (
 )
 from .protocol.errors import SpawnFailed
 from .runner import Monitor, OutputSink, ResourceSink, RunningCommand, run_command
-from .workspaces import remove_tree, server_directory
+from .workspaces import record_placeholders, remove_stale_servers, remove_tree, server_directory, stale_server_pid
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,7 @@ class SessionTable:
         warnings.extend(policy.warnings)
         warnings.extend(plan.warnings)
         if prepared:
+            record_placeholders(self._private_root(), prepared)
             warnings.append(
                 "created empty placeholders so that these protected paths stay unwritable (removed at close): "
                 + ", ".join(str(p) for p in prepared)
@@ -264,6 +265,16 @@ class SessionTable:
             return False
         await asyncio.get_running_loop().run_in_executor(None, remove_tree, session.private_workspace)
         return True
+
+    def remove_stale(self) -> None:
+        """What servers killed without cleaning up left behind: workspaces, placeholders, cgroups."""
+        from .backends.bubblewrap import remove_placeholders
+        from .limits.cgroups import SERVER_PREFIX, remove_stale_cgroups
+
+        for path in remove_stale_servers(remove_placeholders):
+            logger.info("removed %s, left by a server that died", path)
+        for path in remove_stale_cgroups(lambda name: stale_server_pid(name, SERVER_PREFIX) is not None):
+            logger.info("removed cgroup %s, left by a server that died", path)
 
     async def close_all(self) -> None:
         sessions = list(self._sessions.values())

@@ -8,6 +8,7 @@ import secrets
 import shutil
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -60,3 +61,52 @@ def remove_tree(path: Path) -> None:
         # Second pass for what the first could not enter.
         make_unreadable_removable(path)
         shutil.rmtree(path)
+
+
+PLACEHOLDER_MANIFEST = "placeholders"
+
+
+def _server_alive(pid: int) -> bool:
+    """Whether ``pid`` is a running zsb-rpc server (a reused pid of another program is not)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            cmdline = handle.read()
+    except OSError:
+        return False
+    return b"zsb_rpc" in cmdline or b"zsb-rpc" in cmdline
+
+
+def stale_server_pid(name: str, prefix: str) -> int | None:
+    """The pid in a ``<prefix><pid>-<token>`` name whose server is gone, else None."""
+    if not name.startswith(prefix):
+        return None
+    pid_text = name[len(prefix):].split("-", 1)[0]
+    if not pid_text.isdigit() or int(pid_text) == os.getpid():
+        return None
+    pid = int(pid_text)
+    return None if _server_alive(pid) else pid
+
+
+def record_placeholders(server_dir: Path, paths: list[Path]) -> None:
+    """Note placeholders where a later server finds them if this one is killed."""
+    with open(server_dir / PLACEHOLDER_MANIFEST, "a", encoding="utf-8", errors="surrogateescape") as handle:
+        handle.writelines(f"{path}\n" for path in paths)
+
+
+def remove_stale_servers(remove_placeholders: Callable[[list[Path]], None]) -> list[Path]:
+    """Remove what servers that died without cleaning up left: workspaces and placeholders."""
+    removed = []
+    try:
+        root = state_root()
+    except (OSError, RuntimeError):
+        return removed
+    for entry in root.iterdir():
+        if stale_server_pid(entry.name, "server-") is None:
+            continue
+        manifest = entry / PLACEHOLDER_MANIFEST
+        with contextlib.suppress(OSError):
+            paths = [Path(line) for line in manifest.read_text(errors="surrogateescape").splitlines() if line]
+            remove_placeholders(paths)
+        remove_tree(entry)
+        removed.append(entry)
+    return removed

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import os
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -265,3 +266,16 @@ def _read_keyed(path: Path) -> dict[str, int]:
 
 def server_cgroup_name() -> str:
     return f"{SERVER_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def remove_stale_cgroups(is_stale: Callable[[str], bool]) -> list[Path]:
+    """Remove the cgroup directories of servers that died (their names carry their pid)."""
+    removed = []
+    support = probe_cgroups()
+    for base in dict.fromkeys(support.directories.values()):
+        with contextlib.suppress(OSError):
+            for child in base.iterdir():
+                if child.is_dir() and is_stale(child.name):
+                    remove_server_cgroups(support, child.name)
+                    removed.append(child)
+    return removed
