@@ -20,12 +20,13 @@ def report_capabilities(params: CapabilitiesParams) -> CapabilitiesResult:
                                  reason=availability.reason))
     default = default_backend_name()
     chosen = next((info for info in infos if info.name == default), None)
-    if chosen is None or not chosen.available:
-        warnings.append(f"no session can open: {chosen.reason if chosen else 'no backend for ' + sys.platform}")
+    if chosen is None:
+        reasons = "; ".join(f"{info.name}: {info.reason}" for info in infos if not info.available)
+        warnings.append(f"no session can open: no sandbox backend can run here ({reasons})")
         backend_name, isolated = None, False
     else:
         backend_name, isolated = chosen.name, chosen.isolated
-        warnings.extend(all_backends()[default].probe().warnings)
+        warnings.extend(all_backends()[chosen.name].probe().warnings)
     plan = plan_limits(params.limits, params.memory_strategy, isolated=isolated, requested_only=False)
     warnings.extend(plan.warnings)
     m = plan.mechanisms

@@ -93,6 +93,8 @@ class ResolvedPolicy:
     home: Path = field(default_factory=Path.home)
     placeholders: tuple[Placeholder, ...] = ()
     allow_unix_sockets: tuple[Path, ...] = ()
+    #: A temporary directory of the session, for backends without a private /tmp.
+    private_tmp: Path | None = None
 
     @property
     def unwritable(self) -> tuple[Path, ...]:

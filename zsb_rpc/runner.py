@@ -16,6 +16,7 @@ import codecs
 import contextlib
 import os
 import signal
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -138,6 +139,51 @@ def kill_process_tree(pid: int) -> None:
             child.kill()
 
 
+#: Root pids of runs in flight, and how many spawns are under way: the orphan
+#: reaper must never take one of them for a leftover.
+_ACTIVE_ROOTS: set[int] = set()
+_SPAWNING = 0
+
+
+def become_subreaper() -> None:
+    """Orphans of runs without a PID namespace then come to the server, which can kill them."""
+    if os.uname().sysname != "Linux":
+        return
+    import ctypes
+
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+
+
+def reap_orphans() -> None:
+    """Kill and reap children of the server that belong to no run in flight.
+
+    Each run's first process is itself a subreaper, so a detached descendant
+    comes to the server only once that process has exited, that is once its
+    run is over. Children in the server's own session (its probes) are left.
+    """
+    if _SPAWNING:
+        return  # a child that is being spawned is not registered yet; next time
+    try:
+        import psutil
+
+        children = psutil.Process().children()
+    except Exception:
+        return
+    own_session = os.getsid(0)
+    for child in children:
+        if child.pid in _ACTIVE_ROOTS:
+            continue
+        try:
+            if os.getsid(child.pid) == own_session:
+                continue
+        except OSError:
+            pass
+        kill_process_tree(child.pid)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(child.pid, os.WNOHANG)
+
+
 class RunningCommand:
     """A spawned command; ``kill()`` ends its whole tree from anywhere (session close, shutdown)."""
 
@@ -208,7 +254,12 @@ async def run_command(
     folds_signals: bool,
     monitor: Monitor | None = None,
 ) -> RunOutcome:
+    global _SPAWNING
     started = time.monotonic()
+    extra: dict = {}
+    if spec.preexec is not None:
+        extra["preexec_fn"] = spec.preexec
+    _SPAWNING += 1
     try:
         process = await asyncio.create_subprocess_exec(
             *spec.argv,
@@ -219,9 +270,17 @@ async def run_command(
             stderr=asyncio.subprocess.PIPE,
             start_new_session=True,
             close_fds=True,
+            pass_fds=spec.pass_fds,
+            **extra,
         )
-    except OSError as error:
-        raise SpawnFailed(f"cannot start {spec.argv[0]}: {error.strerror or error}") from None
+    except (OSError, subprocess.SubprocessError) as error:
+        raise SpawnFailed(f"cannot start {spec.argv[0]}: {getattr(error, 'strerror', None) or error}") from None
+    finally:
+        _SPAWNING -= 1
+        for fd in spec.close_after_spawn:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    _ACTIVE_ROOTS.add(process.pid)
     handle.process = process
     if handle.killed:  # closed while spawning
         handle.kill()
@@ -243,10 +302,12 @@ async def run_command(
             timed_out = True
             handle.kill()
             await exited
-        if not spec.isolated:
-            # The command is done: whatever it left in its group goes too. (In a
-            # sandbox the PID namespace ended with it, and the pid may be reused.)
+        if not spec.own_pid_namespace:
+            # The command is done: whatever it left in its group goes too. (With a
+            # PID namespace the kernel already ended it, and the pid may be reused.)
             kill_process_tree(process.pid)
+            _ACTIVE_ROOTS.discard(process.pid)
+            reap_orphans()
         _, pending = await asyncio.wait(pumps, timeout=PIPE_GRACE_SECONDS)
         for task in pending:
             task.cancel()
@@ -263,6 +324,7 @@ async def run_command(
             await asyncio.shield(exited)
         raise
     finally:
+        _ACTIVE_ROOTS.discard(process.pid)
         if feeder is not None:
             feeder.cancel()
         if watcher is not None:

@@ -12,6 +12,7 @@ from pygls.server import JsonRPCServer
 from .capabilities import report_capabilities
 from .protocol import types as t
 from .protocol.convert import make_converter
+from .runner import become_subreaper
 from .sessions import SessionTable
 from .wire import ZsbProtocol, open_stdio, read_frames
 
@@ -72,6 +73,7 @@ class ZsbServer(JsonRPCServer):
         stop = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(signum, stop.set)
+        become_subreaper()
         # Off the start-up path: the first answer does not wait for it.
         loop.run_in_executor(None, self.sessions.remove_stale)
         frames = asyncio.ensure_future(read_frames(reader, self.protocol.handle_body, self.protocol.framing_error))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import binascii
 import logging
 import os
@@ -25,7 +26,7 @@ from .policy import (
     command_arguments,
     resolve_policy,
 )
-from .protocol.errors import InvalidParams, SessionClosed, SessionNotFound
+from .protocol.errors import InvalidParams, SandboxUnavailable, SessionClosed, SessionNotFound
 from .protocol.types import (
     UNSET,
     Resources,
@@ -115,12 +116,17 @@ class SessionTable:
             )
             plan = plan_limits(policy.limits, policy.memory_strategy, isolated=backend.isolated, requested_only=True)
             prepared = backend.prepare(policy)
+            if backend.needs_private_tmp:
+                tmp = self._private_root() / f"tmp-{session_id}"
+                tmp.mkdir(mode=0o700)
+                policy = dataclasses.replace(policy, private_tmp=tmp)
         except BaseException:
             if private is not None:
                 remove_tree(private)
             raise
         warnings.extend(policy.warnings)
         warnings.extend(plan.warnings)
+        warnings.extend(backend.differences(policy))
         if prepared:
             record_placeholders(self._private_root(), prepared)
             warnings.append(
@@ -157,13 +163,18 @@ class SessionTable:
         argv = command_arguments(params.command)
         cwd = self._cwd(session, params.cwd)
         env = build_environment((), {**session.policy.environment, **params.env}, {}, "params.env")
-        spec = session.backend.launch_spec(session.policy, argv, cwd, env)
         plan = plan_limits(session.policy.limits, session.policy.memory_strategy,
                            isolated=session.backend.isolated, requested_only=True, allow_cgroups=allow_cgroups)
-        return session, spec, plan
+        return session, argv, cwd, env, plan
 
     def wrap(self, params: WrapParams) -> WrapResult:
-        session, spec, plan = self._prepare(params, allow_cgroups=False)
+        session, argv, cwd, env, plan = self._prepare(params, allow_cgroups=False)
+        if session.backend.launch_needs_server:
+            raise SandboxUnavailable(
+                f"backend {session.backend.name} cannot express its sandbox as a command line "
+                "(it is applied between fork and exec); use run"
+            )
+        spec = session.backend.launch_spec(session.policy, argv, cwd, env)
         prefix = RunLimits(plan, session.policy.limits).start()
         warnings = [*spec.warnings, *plan.warnings]
         if plan.watchdog_memory is not None:
@@ -173,7 +184,7 @@ class SessionTable:
     async def run(
         self, params: RunParams, notify_output: OutputSink | None, notify_resources: ResourceSink | None = None
     ) -> RunResult:
-        session, spec, plan = self._prepare(params, allow_cgroups=True)
+        session, argv, cwd, env, plan = self._prepare(params, allow_cgroups=True)
         timeout = session.policy.timeout if params.timeout is UNSET else params.timeout
         check_timeout(timeout, "params.timeout")  # type: ignore[arg-type]
         output_limit = session.policy.output_limit if params.output_limit is None else params.output_limit
@@ -193,9 +204,16 @@ class SessionTable:
         limits = session.policy.limits
         run_limits = RunLimits(plan, limits)
         try:
-            spec.argv[:0] = run_limits.start()
+            prefix = run_limits.start()
         except OSError as error:
             raise SpawnFailed(f"cannot create the run's cgroup: {error}") from None
+        try:
+            spec = session.backend.launch_spec(session.policy, argv, cwd, env,
+                                               writable_files=run_limits.procs_files())
+        except BaseException:
+            run_limits.finish(0, b"")
+            raise
+        spec.argv[:0] = prefix
         streaming = params.run_id is not None
         monitor = None
         if streaming or plan.watchdog_memory is not None or run_limits.cgroup is not None:
@@ -261,6 +279,8 @@ class SessionTable:
                 break
             await asyncio.sleep(0.01)
         session.backend.release(session.prepared)
+        if session.policy.private_tmp is not None:
+            await asyncio.get_running_loop().run_in_executor(None, remove_tree, session.policy.private_tmp)
         if session.private_workspace is None:
             return False
         await asyncio.get_running_loop().run_in_executor(None, remove_tree, session.private_workspace)

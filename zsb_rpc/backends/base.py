@@ -7,7 +7,7 @@ turns a resolved policy plus a command into a launch spec. It never spawns:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -31,11 +31,24 @@ class LaunchSpec:
     env: dict[str, str]
     isolated: bool
     warnings: list[str] = field(default_factory=list)
+    #: Run in the child between fork and exec (Landlock and seccomp): system calls, no interpreter.
+    preexec: Callable[[], None] | None = None
+    #: Descriptors the child inherits besides stdin, stdout and stderr.
+    pass_fds: tuple[int, ...] = ()
+    #: Descriptors the server closes once the child has them.
+    close_after_spawn: tuple[int, ...] = ()
+    #: Whether the kernel ends every process of the run with it (a PID namespace). Without one,
+    #: the runner kills what is left of the tree and reaps the orphans itself.
+    own_pid_namespace: bool = True
 
 
 class Backend(Protocol):
     name: str
     isolated: bool
+    #: Whether the session needs a private temporary directory of its own (no private /tmp).
+    needs_private_tmp: bool
+    #: Whether the sandbox is applied by the server between fork and exec, so ``wrap`` cannot carry it.
+    launch_needs_server: bool
 
     def probe(self) -> Availability: ...
 
@@ -51,6 +64,13 @@ class Backend(Protocol):
         """Undo ``prepare``: remove what it created, if it is still as it was made."""
         ...
 
+    def differences(self, policy: ResolvedPolicy) -> list[str]:
+        """Guarantees of the bubblewrap backend that this one cannot give, for the session's warnings."""
+        ...
+
     def launch_spec(
-        self, policy: ResolvedPolicy, argv: Sequence[str], cwd: Path, env: Mapping[str, str]
-    ) -> LaunchSpec: ...
+        self, policy: ResolvedPolicy, argv: Sequence[str], cwd: Path, env: Mapping[str, str],
+        *, writable_files: Sequence[str] = (),
+    ) -> LaunchSpec:
+        """``writable_files``: files the launcher must write inside the sandbox (a cgroup.procs)."""
+        ...

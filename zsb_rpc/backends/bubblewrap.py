@@ -287,6 +287,9 @@ def _visible(policy: ResolvedPolicy, path: Path) -> bool:
 class BubblewrapBackend:
     name = "bubblewrap"
     isolated = True
+    #: Whether the sandbox is applied by the server between fork and exec, so no argv can carry it.
+    launch_needs_server = False
+    needs_private_tmp = False
 
     def probe(self) -> Availability:
         return probe_bwrap()[0]
@@ -302,8 +305,12 @@ class BubblewrapBackend:
     def release(self, created: list[Path]) -> None:
         remove_placeholders(created)
 
+    def differences(self, policy: ResolvedPolicy) -> list[str]:
+        return []
+
     def launch_spec(
-        self, policy: ResolvedPolicy, argv: Sequence[str], cwd: Path, env: Mapping[str, str]
+        self, policy: ResolvedPolicy, argv: Sequence[str], cwd: Path, env: Mapping[str, str],
+        *, writable_files: Sequence[str] = (),
     ) -> LaunchSpec:
         availability, bwrap, disable_userns = probe_bwrap()
         assert bwrap is not None and availability.available

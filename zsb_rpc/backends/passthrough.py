@@ -15,6 +15,9 @@ WARNING = "passthrough backend: the command runs without any isolation or resour
 class PassthroughBackend:
     name = "passthrough"
     isolated = False
+    #: Whether the sandbox is applied by the server between fork and exec, so no argv can carry it.
+    launch_needs_server = False
+    needs_private_tmp = False
 
     def probe(self) -> Availability:
         return Availability(True, None, (WARNING,))
@@ -28,11 +31,16 @@ class PassthroughBackend:
     def release(self, created: list[Path]) -> None:
         return None
 
+    def differences(self, policy: ResolvedPolicy) -> list[str]:
+        return []
+
     def launch_spec(
-        self, policy: ResolvedPolicy, argv: Sequence[str], cwd: Path, env: Mapping[str, str]
+        self, policy: ResolvedPolicy, argv: Sequence[str], cwd: Path, env: Mapping[str, str],
+        *, writable_files: Sequence[str] = (),
     ) -> LaunchSpec:
         program = argv[0]
         if "/" not in program:
             # exec does not search PATH for us with an explicit environment.
             program = shutil.which(program, path=env.get("PATH")) or program
-        return LaunchSpec(argv=[program, *argv[1:]], cwd=str(cwd), env=dict(env), isolated=False, warnings=[WARNING])
+        return LaunchSpec(argv=[program, *argv[1:]], cwd=str(cwd), env=dict(env), isolated=False, warnings=[WARNING],
+                          own_pid_namespace=False)

@@ -214,6 +214,9 @@ class RunLimits:
             prefix += [prlimit, *self.plan.rlimit_options, "--"]
         return prefix
 
+    def procs_files(self) -> list[str]:
+        return self.cgroup.procs_files() if self.cgroup is not None else []
+
     def sample(self) -> dict[str, int | float | None] | None:
         return self.cgroup.sample() if self.cgroup is not None else None
 
