@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from typing import Any
@@ -37,7 +38,15 @@ class ZsbServer(JsonRPCServer):
 
         @self.feature("session/open")
         async def session_open(params: t.SessionOpenParams) -> t.SessionOpenResult:
-            return await asyncio.get_running_loop().run_in_executor(None, sessions.open, params)
+            opening = asyncio.get_running_loop().run_in_executor(None, sessions.open, params)
+            try:
+                return await asyncio.shield(opening)
+            except asyncio.CancelledError:
+                # The thread goes on; a session nobody will learn the id of is closed again.
+                with contextlib.suppress(Exception):
+                    opened = await opening
+                    await sessions.close(t.SessionCloseParams(session_id=opened.session_id))
+                raise
 
         @self.feature("run")
         async def run(params: t.RunParams) -> t.RunResult:

@@ -116,7 +116,9 @@ def plan_limits(
     # Memory: the strategy chooses among the mechanisms, strongest first.
     memory = limits.memory_bytes
     kernel_memory = "cgroup" if cgroup_ok and support.has("memory") else ("rlimit_as" if can_rlimit else None)
-    if strategy == "none":
+    if not isolated:
+        report("memory", memory, "none", no_rlimit)
+    elif strategy == "none":
         report("memory", memory, "none", "memoryStrategy is none")
     elif strategy == "watchdog" or (strategy == "auto" and kernel_memory is None):
         report("memory", memory, "watchdog")
