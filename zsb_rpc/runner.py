@@ -17,9 +17,11 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .backends import LaunchSpec
 from .protocol.errors import SpawnFailed
@@ -130,10 +132,11 @@ def kill_process_tree(pid: int) -> None:
         descendants = psutil.Process(pid).children(recursive=True)
     except Exception:  # the process is already gone, or psutil cannot see it
         pass
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(pid, signal.SIGKILL)
+    if hasattr(os, "killpg"):  # not on Windows, where a Job Object ends the tree
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+        os.kill(pid, getattr(signal, "SIGKILL", signal.SIGTERM))
     for child in descendants:
         with contextlib.suppress(Exception):
             child.kill()
@@ -184,15 +187,46 @@ def reap_orphans() -> None:
             os.waitpid(child.pid, os.WNOHANG)
 
 
+def _windows_job(pid: int) -> Any:
+    """Put a Windows run in a kill-on-close Job Object; without one, the tree walk is all there is."""
+    from .backends.windows import assign_process_to_job, create_kill_on_close_job
+
+    try:
+        job = create_kill_on_close_job()
+        if job is not None:
+            assign_process_to_job(job, pid)
+        return job
+    except OSError:
+        return None
+
+
+class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """The stream protocol, plus a future that resolves when the process exits, pipes or not."""
+
+    def __init__(self, exit_future: asyncio.Future[int], loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=CHUNK_BYTES, loop=loop)
+        self._exit_future = exit_future
+
+    def process_exited(self) -> None:
+        transport = self._transport  # the base class drops it once the pipes are closed too
+        super().process_exited()
+        if not self._exit_future.done() and transport is not None:
+            self._exit_future.set_result(transport.get_returncode())
+
+
 class RunningCommand:
     """A spawned command; ``kill()`` ends its whole tree from anywhere (session close, shutdown)."""
 
     def __init__(self) -> None:
         self.process: asyncio.subprocess.Process | None = None
         self.killed = False
+        self.job: Any = None  # Windows: a Job Object that kills the tree when closed
 
     def kill(self) -> None:
         self.killed = True
+        if self.job is not None:
+            with contextlib.suppress(OSError):
+                self.job.terminate()
         if self.process is not None and self.process.returncode is None:
             kill_process_tree(self.process.pid)
 
@@ -260,8 +294,11 @@ async def run_command(
     if spec.preexec is not None:
         extra["preexec_fn"] = spec.preexec
     _SPAWNING += 1
+    loop = asyncio.get_running_loop()
+    exit_future: asyncio.Future[int] = loop.create_future()
     try:
-        process = await asyncio.create_subprocess_exec(
+        transport, protocol = await loop.subprocess_exec(
+            lambda: _ExitProtocol(exit_future, loop),
             *spec.argv,
             cwd=spec.cwd,
             env=spec.env,
@@ -273,6 +310,7 @@ async def run_command(
             pass_fds=spec.pass_fds,
             **extra,
         )
+        process = asyncio.subprocess.Process(transport, protocol, loop)
     except (OSError, subprocess.SubprocessError) as error:
         raise SpawnFailed(f"cannot start {spec.argv[0]}: {getattr(error, 'strerror', None) or error}") from None
     finally:
@@ -282,6 +320,8 @@ async def run_command(
                 os.close(fd)
     _ACTIVE_ROOTS.add(process.pid)
     handle.process = process
+    if sys.platform == "win32":
+        handle.job = _windows_job(process.pid)
     if handle.killed:  # closed while spawning
         handle.kill()
     assert process.stdout is not None and process.stderr is not None
@@ -292,7 +332,9 @@ async def run_command(
         asyncio.ensure_future(_pump(process.stderr, "stderr", err, sink)),
     ]
     feeder = asyncio.ensure_future(_feed(process.stdin, stdin)) if process.stdin is not None and stdin is not None else None
-    exited = asyncio.ensure_future(process.wait())
+    # Process.wait() also waits for the pipes to close, which a leftover helper
+    # of a backend without a PID namespace can hold open: the exit itself is what counts.
+    exited = exit_future
     watcher = asyncio.ensure_future(_watch(process, handle, monitor)) if monitor is not None else None
     timed_out = False
     try:
@@ -321,15 +363,18 @@ async def run_command(
             if task is not None:
                 task.cancel()
         with contextlib.suppress(BaseException):
-            await asyncio.shield(exited)
+            await asyncio.wait_for(asyncio.shield(exited), 5)
         raise
     finally:
         _ACTIVE_ROOTS.discard(process.pid)
+        if handle.job is not None:
+            with contextlib.suppress(OSError):
+                handle.job.close()  # kill-on-close: the rest of the tree ends here
         if feeder is not None:
             feeder.cancel()
         if watcher is not None:
             watcher.cancel()
-    exit_code, signal_number = _exit_code(process.returncode or 0, folds_signals)
+    exit_code, signal_number = _exit_code(exited.result(), folds_signals)
     return RunOutcome(
         exit_code=exit_code,
         stdout=out,

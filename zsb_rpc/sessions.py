@@ -231,7 +231,7 @@ class SessionTable:
             outcome = await run_command(
                 spec, handle, stdin=stdin, timeout=timeout, output_limit=output_limit,  # type: ignore[arg-type]
                 encoding=params.encoding, sink=notify_output if streaming else None,
-                folds_signals=session.backend.isolated, monitor=monitor,
+                folds_signals=session.backend.folds_signals, monitor=monitor,
             )
         finally:
             session.runs.discard(handle)

@@ -9,12 +9,14 @@ from .base import Availability, Backend, LaunchSpec
 from .bubblewrap import BubblewrapBackend
 from .landlock import LandlockBackend
 from .passthrough import PassthroughBackend
+from .seatbelt import SeatbeltBackend
 
 __all__ = ["Availability", "Backend", "LaunchSpec", "all_backends", "default_backend_name", "select_backend"]
 
 _BACKENDS: dict[str, Backend] = {
     "bubblewrap": BubblewrapBackend(),
     "landlock": LandlockBackend(),
+    "seatbelt": SeatbeltBackend(),
     "passthrough": PassthroughBackend(),
 }
 
@@ -27,6 +29,8 @@ def platform_backends() -> list[str]:
     """The platform's own backends, in order of preference. Passthrough only where a platform has none."""
     if sys.platform.startswith("linux"):
         return ["bubblewrap", "landlock"]
+    if sys.platform == "darwin":
+        return ["seatbelt"]
     return ["passthrough"]
 
 

@@ -49,6 +49,8 @@ class Backend(Protocol):
     needs_private_tmp: bool
     #: Whether the sandbox is applied by the server between fork and exec, so ``wrap`` cannot carry it.
     launch_needs_server: bool
+    #: Whether a signal that ended the command arrives as exit status 128+N (bubblewrap's own convention).
+    folds_signals: bool
 
     def probe(self) -> Availability: ...
 

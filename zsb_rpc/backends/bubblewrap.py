@@ -288,6 +288,8 @@ class BubblewrapBackend:
     name = "bubblewrap"
     isolated = True
     #: Whether the sandbox is applied by the server between fork and exec, so no argv can carry it.
+    #: Whether a signal that ended the command arrives as exit status 128+N (bubblewrap).
+    folds_signals = True
     launch_needs_server = False
     needs_private_tmp = False
 

@@ -202,6 +202,8 @@ class LandlockBackend:
     name = "landlock"
     isolated = True
     #: Whether the sandbox is applied by the server between fork and exec, so no argv can carry it.
+    #: Whether a signal that ended the command arrives as exit status 128+N (bubblewrap).
+    folds_signals = False
     launch_needs_server = True
     needs_private_tmp = True
 

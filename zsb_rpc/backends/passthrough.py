@@ -16,6 +16,8 @@ class PassthroughBackend:
     name = "passthrough"
     isolated = False
     #: Whether the sandbox is applied by the server between fork and exec, so no argv can carry it.
+    #: Whether a signal that ended the command arrives as exit status 128+N (bubblewrap).
+    folds_signals = False
     launch_needs_server = False
     needs_private_tmp = False
 

@@ -65,13 +65,14 @@ What is not covered:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import os
 import platform
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 
@@ -193,7 +194,7 @@ def anchors_for(paths: Sequence[Path], writable_areas: Sequence[Path]) -> list[P
 def build_seatbelt_profile(
     policy: ResolvedPolicy, *, tmpdir: str | None = None, writable_files: Sequence[str] = ()
 ) -> tuple[str, dict[str, str]]:
-    """The whole profile text and its ``-D`` parameters. Pure: looks at nothing but its arguments.
+    """The whole profile text and its ``-D`` parameters. Pure apart from reading the shipped base file.
 
     ``tmpdir`` is the user's temporary directory as the kernel names it
     (``user_temp_dir()``), made writable; None for none. ``writable_files``
@@ -269,7 +270,7 @@ def build_seatbelt_argv(
 
 
 def user_temp_dir(
-    confstr: object = None, environ: Mapping[str, str] | None = None
+    confstr: Callable[[int], str | None] | None = None, environ: Mapping[str, str] | None = None
 ) -> tuple[str | None, str | None]:
     """The user's temporary directory as the kernel names it, and a warning when there is none.
 
@@ -279,9 +280,9 @@ def user_temp_dir(
     directory must not make it writable.
     """
     candidates: list[str] = []
-    lookup = os.confstr if confstr is None else confstr
+    lookup: Callable[[int], str | None] | None = getattr(os, "confstr", None) if confstr is None else confstr
     try:
-        value = lookup(_CS_DARWIN_USER_TEMP_DIR)  # type: ignore[operator]
+        value = lookup(_CS_DARWIN_USER_TEMP_DIR) if lookup is not None else None
         if value:
             candidates.append(value)
     except (OSError, ValueError, TypeError):
@@ -334,15 +335,15 @@ def classify_failure(returncode: int, stderr: str, nested: bool) -> str:
 def _probe_policies() -> list[ResolvedPolicy]:
     """Policies with every kind of session rule, on paths that are never created."""
     base = Path("/private/tmp/zsb-rpc-seatbelt-probe")
-    common = dict(
+    policy = ResolvedPolicy(
         workspace=base / "w", writable=(base / "w",), denied_write=(base / "w" / "locked",),
-        protected_write=(base / "w" / ".git" / "hooks",), denied_read=(base / "w" / "secret",),
+        protected_write=(base / "w" / ".git" / "hooks",), denied_read=(base / "w" / "secret",), network="none",
         environment={}, limits=Limits(), memory_strategy="auto", timeout=None, output_limit=0, home=base,
     )
     return [
-        ResolvedPolicy(network="none", allow_unix_sockets=(base / "s.sock",), **common),  # type: ignore[arg-type]
-        ResolvedPolicy(network="none", **common),  # type: ignore[arg-type]
-        ResolvedPolicy(network="full", **common),  # type: ignore[arg-type]
+        dataclasses.replace(policy, allow_unix_sockets=(base / "s.sock",)),
+        policy,
+        dataclasses.replace(policy, network="full"),
     ]
 
 
@@ -360,6 +361,10 @@ def probe_seatbelt() -> Availability:
         return Availability(
             False, f"{SANDBOX_EXEC} is missing or not executable (it ships with macOS; it is deprecated, not removed)"
         )
+    try:
+        base_profile()
+    except OSError as error:
+        return Availability(False, f"{BASE_PROFILE_FILE} is missing from the installed package: {error}")
     try:
         code, stderr = _run([SANDBOX_EXEC, "-p", TRIVIAL_PROFILE, "--", _TRUE])
         if code != 0:
@@ -393,6 +398,8 @@ class SeatbeltBackend:
     #: /tmp is shared, but the sandbox carries no private directory of its own: see DIFFERENCES.
     needs_private_tmp = False
     #: The whole sandbox is in the sandbox-exec argv, so ``wrap`` can hand it out.
+    #: Whether a signal that ended the command arrives as exit status 128+N (bubblewrap).
+    folds_signals = False
     launch_needs_server = False
 
     def probe(self) -> Availability:
