@@ -20,7 +20,6 @@ from tests.rpc import RpcClient, RpcError, frame
 
 async def test_capabilities_reports_backend_and_mechanisms_and_creates_nothing(server: RpcClient, server_command):
     state = Path("/tmp") / f"zsb-rpc-{server_command.uid}"
-    before = sorted(os.listdir(state)) if state.exists() else None
     caps = await server.call("capabilities")
     assert caps["backend"] == "bubblewrap" and caps["isolated"] is True
     assert caps["platform"] == "linux"
@@ -30,8 +29,11 @@ async def test_capabilities_reports_backend_and_mechanisms_and_creates_nothing(s
     assert (caps["cpuPercent"] == "cgroup") == (server_command.uid == 0)
     assert (caps["cpuPercent"] == "none") == any(w.startswith("cpuPercent: not enforced") for w in caps["warnings"])
     assert {b["name"] for b in caps["backends"]} >= {"bubblewrap", "passthrough"}
-    after = sorted(os.listdir(state)) if state.exists() else None
-    assert before == after
+    # Nothing of this server's exists: no directory of its own, no cgroup.
+    assert not list(state.glob(f"server-{server.pid}-*"))
+    from tests.test_limits import _server_cgroups
+
+    assert not [p for p in _server_cgroups(True) if f"zsb-rpc-{server.pid}-" in p]
 
 
 async def test_private_workspace_is_created_0700_and_removed_at_close_even_if_made_unreadable(server: RpcClient):

@@ -51,9 +51,10 @@ class ZsbServer(JsonRPCServer):
         @self.feature("run")
         async def run(params: t.RunParams) -> t.RunResult:
             async def notify_output(stream: str, data: str) -> None:
+                # The hot path of streaming: the wire form of RunOutputNotification, built
+                # directly rather than through the converter for every chunk.
                 assert params.run_id is not None
-                self.protocol.notify("run/output", t.RunOutputNotification(
-                    run_id=params.run_id, session_id=params.session_id, stream=stream, data=data))  # type: ignore[arg-type]
+                self.protocol.send_output(params.run_id, params.session_id, stream, data)
                 # Back-pressure: a client that reads slowly slows the command, not our memory.
                 await self.protocol.drain()
 

@@ -65,6 +65,7 @@ class SessionTable:
         self._environ = dict(os.environ if environ is None else environ)
         self._home = Path(self._environ.get("HOME") or os.path.expanduser("~"))
         self._directory: Path | None = None
+        self._releasing: set[asyncio.Future[None]] = set()
 
     def _private_root(self) -> Path:
         if self._directory is None:
@@ -167,6 +168,14 @@ class SessionTable:
                            isolated=session.backend.isolated, requested_only=True, allow_cgroups=allow_cgroups)
         return session, argv, cwd, env, plan
 
+    def _release_later(self, run_limits: RunLimits) -> None:
+        """Remove a run's cgroup after its answer has gone; close_all waits for what is pending."""
+        if run_limits.cgroup is None:
+            return
+        future = asyncio.get_running_loop().run_in_executor(None, run_limits.release)
+        self._releasing.add(future)
+        future.add_done_callback(self._releasing.discard)
+
     def wrap(self, params: WrapParams) -> WrapResult:
         session, argv, cwd, env, plan = self._prepare(params, allow_cgroups=False)
         if session.backend.launch_needs_server:
@@ -211,7 +220,7 @@ class SessionTable:
             spec = session.backend.launch_spec(session.policy, argv, cwd, env,
                                                writable_files=run_limits.procs_files())
         except BaseException:
-            run_limits.finish(0, b"")
+            run_limits.release()
             raise
         spec.argv[:0] = prefix
         streaming = params.run_id is not None
@@ -238,6 +247,7 @@ class SessionTable:
             final = run_limits.sample()
             limits_hit = run_limits.finish(outcome.exit_code if outcome else 0,
                                            bytes(outcome.stderr.kept[-4096:]) if outcome else b"")
+            self._release_later(run_limits)
         if outcome.killed and session.closed:
             raise SessionClosed(f"session {session.id} was closed while the command ran")
         if monitor is not None and monitor.watchdog_fired:
@@ -300,6 +310,8 @@ class SessionTable:
         sessions = list(self._sessions.values())
         self._sessions.clear()
         await asyncio.gather(*(self._teardown(s) for s in sessions), return_exceptions=True)
+        if self._releasing:
+            await asyncio.wait(list(self._releasing), timeout=2)
         if self._directory is not None:
             remove_tree(self._directory)
             self._directory = None

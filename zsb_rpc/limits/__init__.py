@@ -216,6 +216,11 @@ class RunLimits:
             prefix += [prlimit, *self.plan.rlimit_options, "--"]
         return prefix
 
+    def release(self) -> None:
+        """Remove the run's cgroup (it may take the kernel a moment to let go of it)."""
+        if self.cgroup is not None:
+            self.cgroup.remove()
+
     def procs_files(self) -> list[str]:
         return self.cgroup.procs_files() if self.cgroup is not None else []
 
@@ -223,11 +228,10 @@ class RunLimits:
         return self.cgroup.sample() if self.cgroup is not None else None
 
     def finish(self, exit_code: int, stderr_tail: bytes) -> list[str]:
-        """Evidence of limits hit; removes the cgroup."""
+        """Evidence of limits hit. The cgroup is removed by ``release``, off the answer's path."""
         hit: list[str] = []
         if self.cgroup is not None:
             hit = self.cgroup.limits_hit()
-            self.cgroup.remove()
         mechanisms = self.plan.mechanisms
         signal_number = -exit_code if exit_code < 0 else None
         if signal_number == 24 and "cpuSeconds" in mechanisms:  # SIGXCPU
