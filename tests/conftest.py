@@ -129,7 +129,7 @@ def scratch(test_base: Path, owner: tuple[int, int]) -> Iterator[Path]:
 
 
 def chown_tree(path: Path, owner: tuple[int, int]) -> None:
-    for dirpath, dirnames, filenames in os.walk(path):
+    for dirpath, _, filenames in os.walk(path):
         os.chown(dirpath, *owner)
         for name in filenames:
             os.chown(os.path.join(dirpath, name), *owner, follow_symlinks=False)

@@ -80,7 +80,8 @@ def _listener() -> tuple[socket.socket, int]:
     return listener, listener.getsockname()[1]
 
 
-CONNECT = "python3 -c \"import socket,sys; socket.create_connection(('127.0.0.1', int(sys.argv[1])), 3); print('CONNECTED')\" {port}"
+CONNECT = ("python3 -c \"import socket,sys; socket.create_connection(('127.0.0.1', int(sys.argv[1])), 3); "
+           "print('CONNECTED')\" {port}")
 
 
 async def test_network_none_cannot_reach_a_host_listener_on_loopback(server: RpcClient):

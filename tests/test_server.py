@@ -176,7 +176,8 @@ async def test_session_close_kills_running_commands(server: RpcClient, session: 
 async def test_wrap_returns_a_sandboxed_argv_that_runs_nothing_itself(
     server: RpcClient, session: dict, scratch: Path, server_command
 ):
-    wrapped = await server.call("wrap", {"sessionId": session["sessionId"], "command": "echo wrapped > out; touch " + str(scratch / "escape")})
+    command = "echo wrapped > out; touch " + str(scratch / "escape")
+    wrapped = await server.call("wrap", {"sessionId": session["sessionId"], "command": command})
     assert "bwrap" in " ".join(wrapped["argv"]) and wrapped["cwd"] == session["workspace"]
     assert "ZSB_TEST_SECRET" not in wrapped["env"]
     assert not (Path(session["workspace"]) / "out").exists()

@@ -11,13 +11,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,8 +33,8 @@ def _quantiles(samples: list[float]) -> dict[str, float]:
 
 def _spawn_direct(argv: list[str], cwd: str, env: dict[str, str]) -> float:
     started = time.perf_counter()
-    subprocess.run(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                   stderr=subprocess.PIPE, start_new_session=True, check=False)
+    subprocess.run(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                   start_new_session=True, check=False)
     return time.perf_counter() - started
 
 
@@ -81,7 +78,7 @@ def bench_stream_python(size: int, rounds: int) -> dict[str, Any]:
         for _ in range(rounds):
             received = [0]
 
-            def count(chunk: str) -> None:
+            def count(chunk: str, received: list[int] = received) -> None:
                 received[0] += len(chunk)
 
             started = time.perf_counter()

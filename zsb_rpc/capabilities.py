@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from . import __version__
-from .backends import all_backends, default_backend_name
+from .backends import all_backends, default_backend_name, platform_backends
 from .limits import plan_limits
 from .protocol import PROTOCOL_VERSION
 from .protocol.types import BackendInfo, CapabilitiesParams, CapabilitiesResult
@@ -26,6 +26,10 @@ def report_capabilities(params: CapabilitiesParams) -> CapabilitiesResult:
         backend_name, isolated = None, False
     else:
         backend_name, isolated = chosen.name, chosen.isolated
+        for info in infos:
+            # The platform's preferred backend cannot run: say why, and what to change.
+            if info.name in platform_backends() and info.name != chosen.name and not info.available:
+                warnings.append(f"{info.name} cannot run here, so sessions get {chosen.name}: {info.reason}")
         warnings.extend(all_backends()[chosen.name].probe().warnings)
     plan = plan_limits(params.limits, params.memory_strategy, isolated=isolated, requested_only=False)
     warnings.extend(plan.warnings)

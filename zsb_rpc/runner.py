@@ -72,7 +72,7 @@ def sample_tree(pid: int) -> Sample:
     return {"memory": memory, "peak": None, "cpu": cpu, "processes": count}
 
 
-async def _watch(process: asyncio.subprocess.Process, handle: "RunningCommand", monitor: Monitor) -> None:
+async def _watch(process: asyncio.subprocess.Process, handle: RunningCommand, monitor: Monitor) -> None:
     while process.returncode is None:
         await asyncio.sleep(monitor.interval)
         if process.returncode is not None:

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-from typing import Any
 
 from pygls.server import JsonRPCServer
 

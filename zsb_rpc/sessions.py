@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
 import binascii
+import dataclasses
 import logging
 import os
 import secrets
@@ -16,17 +16,17 @@ from pathlib import Path
 from .backends import Backend, select_backend
 from .limits import RunLimits, cleanup_server_cgroups, plan_limits
 from .policy import (
-    DEFAULT_OUTPUT_LIMIT,
     DEFAULT_TIMEOUT_SECONDS,
     ResolvedPolicy,
     as_path,
     build_environment,
     check_output_limit,
+    check_text,
     check_timeout,
     command_arguments,
     resolve_policy,
 )
-from .protocol.errors import InvalidParams, SandboxUnavailable, SessionClosed, SessionNotFound
+from .protocol.errors import InvalidParams, SandboxUnavailable, SessionClosed, SessionNotFound, SpawnFailed
 from .protocol.types import (
     UNSET,
     Resources,
@@ -40,7 +40,6 @@ from .protocol.types import (
     WrapParams,
     WrapResult,
 )
-from .protocol.errors import SpawnFailed
 from .runner import Monitor, OutputSink, ResourceSink, RunningCommand, run_command
 from .workspaces import record_placeholders, remove_stale_servers, remove_tree, server_directory, stale_server_pid
 
@@ -57,6 +56,17 @@ class Session:
     runs: set[RunningCommand] = field(default_factory=set)
     closed: bool = False
     prepared: list[Path] = field(default_factory=list)
+
+
+def existing_directory(path: Path, given: str, field_name: str) -> Path:
+    """``path`` resolved through symbolic links; it must be an existing directory."""
+    try:
+        resolved = path.resolve(strict=True)
+    except (OSError, RuntimeError):
+        raise InvalidParams(field_name, f"must be an existing directory: {given!r}") from None
+    if not resolved.is_dir():
+        raise InvalidParams(field_name, f"must be a directory: {given!r}")
+    return resolved
 
 
 class SessionTable:
@@ -90,12 +100,7 @@ class SessionTable:
         else:
             session_id = "s-" + secrets.token_hex(8)
             given = as_path(params.workspace, "params.workspace", self._home)
-            try:
-                workspace = given.resolve(strict=True)
-            except (OSError, RuntimeError):
-                raise InvalidParams("params.workspace", f"must be an existing directory: {params.workspace!r}") from None
-            if not workspace.is_dir():
-                raise InvalidParams("params.workspace", f"must be a directory: {params.workspace!r}")
+            workspace = existing_directory(given, params.workspace, "params.workspace")
         try:
             policy = resolve_policy(
                 workspace=workspace,
@@ -145,15 +150,11 @@ class SessionTable:
     def _cwd(self, session: Session, cwd: str | None) -> Path:
         if cwd is None:
             return session.policy.workspace
+        check_text(cwd, "params.cwd")
         path = Path(cwd)
         if not path.is_absolute():
             path = session.policy.workspace / path
-        try:
-            resolved = path.resolve(strict=True)
-        except (OSError, RuntimeError):
-            raise InvalidParams("params.cwd", f"must be an existing directory: {cwd!r}") from None
-        if not resolved.is_dir():
-            raise InvalidParams("params.cwd", f"must be a directory: {cwd!r}")
+        resolved = existing_directory(path, cwd, "params.cwd")
         reason = session.backend.check_cwd(session.policy, resolved)
         if reason:
             raise InvalidParams("params.cwd", f"{resolved} {reason}")

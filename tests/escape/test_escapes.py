@@ -7,7 +7,6 @@ server as an unprivileged user the tests created.
 
 from __future__ import annotations
 
-import asyncio
 import fcntl
 import os
 import pty

@@ -13,7 +13,7 @@ from .seatbelt import SeatbeltBackend
 
 __all__ = ["Availability", "Backend", "LaunchSpec", "all_backends", "default_backend_name", "select_backend"]
 
-_BACKENDS: dict[str, Backend] = {
+_BACKENDS: dict[str, Backend] = {  # the order capabilities lists them in
     "bubblewrap": BubblewrapBackend(),
     "landlock": LandlockBackend(),
     "seatbelt": SeatbeltBackend(),

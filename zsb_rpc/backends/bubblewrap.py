@@ -29,20 +29,19 @@ inside them, then what stays unreadable (a denial beats a permission).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
 import shutil
+import stat
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-import contextlib
-import stat
-
 from ..policy import Placeholder, ResolvedPolicy
 from ..protocol.errors import InvalidParams
-from .base import Availability, LaunchSpec
+from .base import Availability, Backend, LaunchSpec
 
 #: Distribution security profiles (AppArmor on Ubuntu 24.04) cover this path,
 #: not a copy found elsewhere on PATH.
@@ -284,14 +283,10 @@ def _visible(policy: ResolvedPolicy, path: Path) -> bool:
     return True
 
 
-class BubblewrapBackend:
+class BubblewrapBackend(Backend):
     name = "bubblewrap"
     isolated = True
-    #: Whether the sandbox is applied by the server between fork and exec, so no argv can carry it.
-    #: Whether a signal that ended the command arrives as exit status 128+N (bubblewrap).
     folds_signals = True
-    launch_needs_server = False
-    needs_private_tmp = False
 
     def probe(self) -> Availability:
         return probe_bwrap()[0]
@@ -306,9 +301,6 @@ class BubblewrapBackend:
 
     def release(self, created: list[Path]) -> None:
         remove_placeholders(created)
-
-    def differences(self, policy: ResolvedPolicy) -> list[str]:
-        return []
 
     def launch_spec(
         self, policy: ResolvedPolicy, argv: Sequence[str], cwd: Path, env: Mapping[str, str],

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from ..policy import ResolvedPolicy
 from ..protocol.errors import InvalidParams
-from .base import Availability, LaunchSpec
+from .base import Availability, Backend, LaunchSpec, resolve_program
 
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
 _CREATE_RULESET_VERSION = 1
@@ -198,12 +198,9 @@ NETWORK_NONE_DIFFERENCE = (
 )
 
 
-class LandlockBackend:
+class LandlockBackend(Backend):
     name = "landlock"
     isolated = True
-    #: Whether the sandbox is applied by the server between fork and exec, so no argv can carry it.
-    #: Whether a signal that ended the command arrives as exit status 128+N (bubblewrap).
-    folds_signals = False
     launch_needs_server = True
     needs_private_tmp = True
 
@@ -238,9 +235,6 @@ class LandlockBackend:
                 "while network is none",
             )
         return []
-
-    def release(self, created: list[Path]) -> None:
-        return None
 
     @staticmethod
     def _hidden(policy: ResolvedPolicy) -> list[Path]:
@@ -280,13 +274,9 @@ class LandlockBackend:
         environment = dict(env)
         if private_tmp is not None:
             environment["TMPDIR"] = str(private_tmp)
-        program = argv[0]
-        if "/" not in program:
-            import shutil
-
-            program = shutil.which(program, path=environment.get("PATH")) or program
+        command = resolve_program(argv, environment)
         return LaunchSpec(
-            argv=[program, *argv[1:]], cwd=str(cwd), env=environment, isolated=True,
+            argv=command, cwd=str(cwd), env=environment, isolated=True,
             preexec=functools.partial(_enter_sandbox, ruleset, seccomp), pass_fds=(ruleset,),
             close_after_spawn=(ruleset,), own_pid_namespace=False,
         )

@@ -69,7 +69,6 @@ import dataclasses
 import functools
 import os
 import platform
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -78,7 +77,7 @@ from pathlib import Path
 
 from ..policy import ResolvedPolicy
 from ..protocol.types import Limits
-from .base import Availability, LaunchSpec
+from .base import Availability, Backend, LaunchSpec, resolve_program
 
 #: Only this one: a copy found on PATH could be anything.
 SANDBOX_EXEC = "/usr/bin/sandbox-exec"
@@ -392,27 +391,16 @@ DIFFERENCES = (
 )
 
 
-class SeatbeltBackend:
+class SeatbeltBackend(Backend):
     name = "seatbelt"
     isolated = True
-    #: /tmp is shared, but the sandbox carries no private directory of its own: see DIFFERENCES.
-    needs_private_tmp = False
-    #: The whole sandbox is in the sandbox-exec argv, so ``wrap`` can hand it out.
-    #: Whether a signal that ended the command arrives as exit status 128+N (bubblewrap).
-    folds_signals = False
-    launch_needs_server = False
+    # /tmp is shared (see DIFFERENCES); the whole sandbox is in the sandbox-exec argv, so
+    # ``wrap`` can hand it out: the defaults of Backend hold.
 
     def probe(self) -> Availability:
         return probe_seatbelt()
 
-    def check_cwd(self, policy: ResolvedPolicy, cwd: Path) -> str | None:
-        return None
-
-    def prepare(self, policy: ResolvedPolicy) -> list[Path]:
-        return []  # a rule can name a missing path: no placeholders
-
-    def release(self, created: list[Path]) -> None:
-        return None
+    # prepare: a rule can name a missing path, so no placeholders (the default).
 
     def differences(self, policy: ResolvedPolicy) -> list[str]:
         return list(DIFFERENCES)
@@ -421,13 +409,10 @@ class SeatbeltBackend:
         self, policy: ResolvedPolicy, argv: Sequence[str], cwd: Path, env: Mapping[str, str],
         *, writable_files: Sequence[str] = (),
     ) -> LaunchSpec:
-        program = argv[0]
-        if "/" not in program:
-            # Resolved here as on the other backends; sandbox-exec would search the same PATH.
-            program = shutil.which(program, path=env.get("PATH")) or program
+        command = resolve_program(argv, env)
         tmpdir, warning = user_temp_dir()
         return LaunchSpec(
-            argv=build_seatbelt_argv(policy, [program, *argv[1:]], cwd, tmpdir=tmpdir, writable_files=writable_files),
+            argv=build_seatbelt_argv(policy, command, cwd, tmpdir=tmpdir, writable_files=writable_files),
             cwd=str(cwd),
             env=dict(env),
             isolated=True,

@@ -135,7 +135,7 @@ class CgroupRun:
 
     def create(self, *, memory_bytes: int | None, processes: int | None, cpu_percent: int | None) -> None:
         try:
-            for controller, path in self.paths.items():
+            for path in self.paths.values():
                 if path.exists():
                     continue
                 parent = path.parent

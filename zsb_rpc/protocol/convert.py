@@ -131,7 +131,8 @@ def _describe(members: list[Any]) -> str:
         elif get_origin(member) is list:
             names.append("an array of strings" if get_args(member) == (str,) else "an array")
         else:
-            names.append({str: "a string", int: "an integer", float: "a number", bool: "a boolean"}.get(member, getattr(member, "__name__", str(member))))
+            plain = {str: "a string", int: "an integer", float: "a number", bool: "a boolean"}
+            names.append(plain.get(member, getattr(member, "__name__", str(member))))
     return " or ".join(names)
 
 

@@ -147,7 +147,9 @@ class Resources:
     mechanisms: dict[str, Mechanism] = doc("For each requested limit, how it was enforced.")
     peak_memory_bytes: int | None = doc("Peak memory of the tree where measured, else null.", default=None)
     cpu_seconds: float | None = doc("Processor time the tree used where measured, else null.", default=None)
-    limits_hit: list[str] = doc("Limits the evidence shows were hit: memory, cpu, file_size, processes, open_files.", factory=list)
+    limits_hit: list[str] = doc(
+        "Limits the evidence shows were hit: memory, cpu, file_size, processes, open_files.", factory=list
+    )
     warnings: list[str] = doc("Requested limits that were not enforced, and why.", factory=list)
 
 
