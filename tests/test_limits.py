@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -137,8 +138,17 @@ async def test_no_cgroup_directories_are_left_behind(server: RpcClient, identity
     _, running = server.send_request("run", {"sessionId": opened["sessionId"], "command": f"sleep {marker}"})
     await server.call("session/close", {"sessionId": opened["sessionId"]})
     await running
-    assert not [p for p in _server_cgroups(True) if Path(p).name.startswith("run-")
-                or any(Path(p).glob("run-*"))]
+
+    def runs_left() -> list[Path]:
+        mine = [Path(p) for p in _server_cgroups(True) if f"zsb-rpc-{server.pid}-" in p]
+        return [run for directory in mine for run in directory.glob("run-*")]
+
+    # A run's cgroup goes right after its answer, off the answer's path.
+    for _ in range(100):
+        if not runs_left():
+            break
+        await asyncio.sleep(0.02)
+    assert runs_left() == []
     await server.close_stdin()
     await server.wait_exit(5)
-    assert _server_cgroups(True) == []
+    assert [p for p in _server_cgroups(True) if f"zsb-rpc-{server.pid}-" in p] == []
