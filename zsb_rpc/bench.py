@@ -65,7 +65,7 @@ def _raw_pipe(argv: list[str], cwd: str, env: dict[str, str]) -> tuple[float, in
                                stderr=subprocess.DEVNULL, start_new_session=True)
     assert process.stdout is not None
     total = 0
-    while chunk := process.stdout.read1(1 << 16):
+    while chunk := process.stdout.read1(1 << 16):  # type: ignore[attr-defined]
         total += len(chunk)
     process.wait()
     return time.perf_counter() - started, total

@@ -55,7 +55,7 @@ try:
     # standard library decodes at about 150 MB/s; orjson does it at several times that.
     from orjson import loads as _loads
 except ImportError:  # pragma: no cover - orjson is a dependency, but the client works without it
-    _loads = json.loads
+    _loads = json.loads  # type: ignore[assignment]
 import logging
 import os
 import queue

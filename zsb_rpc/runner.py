@@ -222,7 +222,7 @@ class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
         self._exit_future = exit_future
 
     def process_exited(self) -> None:
-        transport = self._transport  # the base class drops it once the pipes are closed too
+        transport = getattr(self, "_transport", None)  # the base class drops it once the pipes close too
         super().process_exited()
         if not self._exit_future.done() and transport is not None:
             self._exit_future.set_result(transport.get_returncode())
@@ -347,7 +347,9 @@ async def run_command(
         asyncio.ensure_future(_pump(process.stdout, "stdout", out, sink)),
         asyncio.ensure_future(_pump(process.stderr, "stderr", err, sink)),
     ]
-    feeder = asyncio.ensure_future(_feed(process.stdin, stdin)) if process.stdin is not None and stdin is not None else None
+    feeder: asyncio.Future[None] | None = (
+        asyncio.ensure_future(_feed(process.stdin, stdin)) if process.stdin is not None and stdin is not None else None
+    )
     # Process.wait() also waits for the pipes to close, which a leftover helper
     # of a backend without a PID namespace can hold open: the exit itself is what counts.
     exited = exit_future
@@ -375,9 +377,9 @@ async def run_command(
     except BaseException:
         # Cancelled (or failed): stop the tree first, then let it propagate.
         handle.kill()
-        for task in (*pumps, feeder):
-            if task is not None:
-                task.cancel()
+        for pending_task in (*pumps, feeder):
+            if pending_task is not None:
+                pending_task.cancel()
         with contextlib.suppress(BaseException):
             await asyncio.wait_for(asyncio.shield(exited), 5)
         raise

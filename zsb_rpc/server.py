@@ -96,7 +96,7 @@ class ZsbServer(JsonRPCServer):
         # answer, within the 2 s a parent waits for us.
         pending = [f for f in self.protocol._request_futures.values() if isinstance(f, asyncio.Future)]
         if pending:
-            await asyncio.wait(pending, timeout=1.0)
+            await asyncio.wait(pending, timeout=1.0)  # type: ignore[type-var]
         await asyncio.sleep(0)
         await self.protocol.drain()
 

@@ -264,7 +264,7 @@ class ZsbProtocol(JsonRPCProtocol):
         except errors.ZsbError as error:
             self.send_error(msg_id, error.code, error.message, error.data)
             return
-        self._handle_request(msg_id, method, structured)
+        self._handle_request(msg_id, method, structured)  # type: ignore[arg-type]  # checked by _valid_id
 
     def _notification(self, method: str, params: Any) -> None:
         spec = CLIENT_NOTIFICATIONS.get(method)
@@ -308,7 +308,7 @@ async def open_stdio(protocol: ZsbProtocol) -> asyncio.StreamReader:
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin.buffer)
     except (ValueError, OSError):
         def pump() -> None:
-            while chunk := sys.stdin.buffer.read1(1 << 16):
+            while chunk := sys.stdin.buffer.read1(1 << 16):  # type: ignore[union-attr]
                 loop.call_soon_threadsafe(reader.feed_data, chunk)
             loop.call_soon_threadsafe(reader.feed_eof)
 

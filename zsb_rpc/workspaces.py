@@ -95,7 +95,7 @@ def record_placeholders(server_dir: Path, paths: list[Path]) -> None:
 
 def remove_stale_servers(remove_placeholders: Callable[[list[Path]], None]) -> list[Path]:
     """Remove what servers that died without cleaning up left: workspaces and placeholders."""
-    removed = []
+    removed: list[Path] = []
     try:
         root = state_root()
     except (OSError, RuntimeError):

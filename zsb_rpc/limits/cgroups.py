@@ -100,9 +100,9 @@ def probe_cgroups() -> CgroupSupport:
     mounts = _mounts()
     for kind, mountpoint, _ in mounts:
         if kind == "cgroup2" and "" in own:
-            directories, reason = _probe_v2(Path(mountpoint), own[""])
-            if directories:
-                return CgroupSupport(2, directories)
+            found_v2, reason = _probe_v2(Path(mountpoint), own[""])
+            if found_v2:
+                return CgroupSupport(2, found_v2)
             if reason:
                 reasons.append(reason)
     directories: dict[str, Path] = {}

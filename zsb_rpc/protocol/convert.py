@@ -105,7 +105,7 @@ def make_converter() -> cattrs.Converter:
 
     def structure_factory(cls: type) -> Any:
         renames = {a.name: override(rename=camel(a.name)) for a in attrs.fields(cls)}
-        inner = make_dict_structure_fn(cls, converter, _cattrs_forbid_extra_keys=True, **renames)
+        inner: Any = make_dict_structure_fn(cls, converter, _cattrs_forbid_extra_keys=True, **renames)  # type: ignore[arg-type]
 
         def structure(value: Any, kind: Any) -> Any:
             if not isinstance(value, dict):
@@ -116,7 +116,7 @@ def make_converter() -> cattrs.Converter:
 
     def unstructure_factory(cls: type) -> Any:
         renames = {a.name: override(rename=camel(a.name)) for a in attrs.fields(cls)}
-        return make_dict_unstructure_fn(cls, converter, **renames)
+        return make_dict_unstructure_fn(cls, converter, **renames)  # type: ignore[arg-type]
 
     converter.register_structure_hook_factory(attrs.has, structure_factory)
     converter.register_unstructure_hook_factory(attrs.has, unstructure_factory)

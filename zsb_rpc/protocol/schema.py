@@ -202,7 +202,7 @@ def _default(field: attrs.Attribute) -> Any:
     if default is attrs.NOTHING:
         return _REQUIRED
     if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
-        factory = default.factory
+        factory = default.factory  # type: ignore[union-attr]
         if factory is list:
             return []
         if factory is dict:
