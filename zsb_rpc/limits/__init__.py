@@ -96,10 +96,12 @@ def plan_limits(
     can_rlimit = prlimit is not None
     no_rlimit = "this backend applies no limits" if not isolated else "prlimit (util-linux) is not installed"
     cgroup_ok = isolated and allow_cgroups
-    no_cgroup = (
-        "needs a cgroup, which the server places and a wrapped command does not get" if isolated and not allow_cgroups
-        else (no_rlimit if not isolated else "; ".join(support.reasons) or "no usable cgroup")
-    )
+    if isolated and not allow_cgroups:
+        no_cgroup = "it needs a cgroup, which the server places and a wrapped command does not get"
+    elif not isolated:
+        no_cgroup = no_rlimit
+    else:
+        no_cgroup = "it needs a cgroup and none is usable (" + ("; ".join(support.reasons) or "none found") + ")"
     plan = LimitPlan(mechanisms={})
 
     def report(name: str, asked: object, mechanism: str, reason: str | None = None) -> None:
@@ -146,8 +148,7 @@ def plan_limits(
         if limits.cpu_percent is not None:
             plan.cgroup_controllers.append("cpu")
     else:
-        report("cpuPercent", limits.cpu_percent, "none", f"a processor share {no_cgroup}"
-               if not no_cgroup.startswith("needs") else no_cgroup)
+        report("cpuPercent", limits.cpu_percent, "none", no_cgroup)
 
     if cgroup_ok and support.has("pids"):
         report("processes", limits.processes, "cgroup")
