@@ -184,7 +184,7 @@ class SessionTable:
                 f"backend {session.backend.name} cannot express its sandbox as a command line "
                 "(it is applied between fork and exec); use run"
             )
-        spec = session.backend.launch_spec(session.policy, argv, cwd, env)
+        spec = session.backend.launch_spec(session.policy, argv, cwd, env, inline_environment=True)
         prefix = RunLimits(plan, session.policy.limits).start()
         warnings = [*spec.warnings, *plan.warnings]
         if plan.watchdog_memory is not None:

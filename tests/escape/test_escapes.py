@@ -312,3 +312,29 @@ async def test_server_environment_is_unreachable_through_proc(server: RpcClient,
     else:
         # Visible without a PID namespace, but Landlock keeps its environment from being read.
         assert "Permission denied" in result["stdout"]
+
+
+PRELOAD_SOURCE = r"""
+#include <fcntl.h>
+#include <unistd.h>
+__attribute__((constructor)) static void planted(void) {
+    int fd = open(TARGET, O_WRONLY | O_CREAT, 0644);
+    if (fd >= 0) { write(fd, "escaped\n", 8); close(fd); }
+}
+"""
+
+
+@pytest.mark.skipif(not Path("/usr/bin/gcc").exists(), reason="needs gcc to build the library it plants")
+async def test_ld_preload_through_env_runs_nothing_outside_the_sandbox(
+    server: RpcClient, session: dict, scratch: Path, backend: str
+):
+    target = scratch / "preload-escaped"
+    source = PRELOAD_SOURCE.replace("TARGET", f'"{target}"')
+    built = await server.run(session["sessionId"], ["sh", "-c", 'cat > e.c && gcc -shared -fPIC -o e.so e.c'],
+                             input=source)
+    assert built["exitCode"] == 0, built["stderr"]
+    library = f"{session['workspace']}/e.so"
+    for variable in ("LD_PRELOAD", "LD_AUDIT"):
+        result = await server.run(session["sessionId"], ["true"], env={variable: library})
+        assert result["exitCode"] == 0 or backend == "landlock"
+        assert not target.exists(), f"{variable} ran code outside the sandbox"

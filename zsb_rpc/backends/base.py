@@ -86,7 +86,8 @@ class Backend:
 
     def launch_spec(
         self, policy: ResolvedPolicy, argv: Sequence[str], cwd: Path, env: Mapping[str, str],
-        *, writable_files: Sequence[str] = (),
+        *, writable_files: Sequence[str] = (), inline_environment: bool = False,
     ) -> LaunchSpec:
-        """``writable_files``: files the launcher must write inside the sandbox (a cgroup.procs)."""
+        """``writable_files``: files the launcher must write inside the sandbox (a cgroup.procs).
+        ``inline_environment``: for ``wrap``, carry the command's environment in the argv."""
         raise NotImplementedError

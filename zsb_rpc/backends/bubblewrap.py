@@ -182,6 +182,8 @@ def build_bwrap_argv(
     *,
     disable_userns: bool = True,
     masked_sockets: Sequence[Path] = (),
+    environment: Mapping[str, str] | None = None,
+    environment_fd: int | None = None,
     exists: Callable[[Path], bool] = os.path.lexists,
     is_dir: Callable[[Path], bool] = os.path.isdir,
 ) -> list[str]:
@@ -215,8 +217,47 @@ def build_bwrap_argv(
         args.append("--disable-userns")
     if policy.network == "full":
         args.append("--share-net")
+    if environment_fd is not None:
+        # The command's environment, read by bwrap from a descriptor: never in the launcher's
+        # own environment (where LD_PRELOAD would run code outside the sandbox), never in an
+        # argv that every user can read in /proc.
+        args += ["--args", str(environment_fd)]
+    elif environment is not None:
+        args += environment_arguments(environment)
     args += ["--chdir", str(cwd), "--", *argv]
     return args
+
+
+def environment_arguments(environment: Mapping[str, str]) -> list[str]:
+    """bwrap options that give the command exactly ``environment`` and nothing of the launcher's."""
+    args = ["--clearenv"]
+    for name, value in environment.items():
+        args += ["--setenv", name, value]
+    return args
+
+
+#: The environment bubblewrap itself (and the launcher in front of it) runs with: fixed, so
+#: that nothing a caller sets (LD_PRELOAD, LD_LIBRARY_PATH, GCONV_PATH) acts outside the sandbox.
+LAUNCHER_ENVIRONMENT = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LC_ALL": "C"}
+
+
+def environment_descriptor(environment: Mapping[str, str]) -> int:
+    """A sealed-off memfd holding ``--clearenv --setenv ...`` for ``bwrap --args``."""
+    data = b"".join(os.fsencode(arg) + b"\0" for arg in environment_arguments(environment))
+    fd = os.memfd_create("zsb-environment", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, data) if len(data) < 1 << 20 else _write_all(fd, data)
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def sockets_to_mask(policy: ResolvedPolicy, candidates: Sequence[Path]) -> list[Path]:
@@ -304,7 +345,7 @@ class BubblewrapBackend(Backend):
 
     def launch_spec(
         self, policy: ResolvedPolicy, argv: Sequence[str], cwd: Path, env: Mapping[str, str],
-        *, writable_files: Sequence[str] = (),
+        *, writable_files: Sequence[str] = (), inline_environment: bool = False,
     ) -> LaunchSpec:
         availability, bwrap, disable_userns = probe_bwrap()
         assert bwrap is not None and availability.available
@@ -312,12 +353,20 @@ class BubblewrapBackend(Backend):
         # The host's TMPDIR may point into the host /tmp, which is private here.
         if "TMPDIR" in environment and not _visible(policy, Path(environment["TMPDIR"])):
             environment["TMPDIR"] = "/tmp"
-        return LaunchSpec(
-            argv=build_bwrap_argv(
-                bwrap, policy, argv, cwd, disable_userns=disable_userns,
-                masked_sockets=sockets_to_mask(policy, host_unix_sockets()),
-            ),
-            cwd=str(cwd),
-            env=environment,
-            isolated=True,
-        )
+        masked = sockets_to_mask(policy, host_unix_sockets())
+        if inline_environment:
+            # wrap: the caller spawns it, with the environment it chooses for bwrap.
+            return LaunchSpec(
+                argv=build_bwrap_argv(bwrap, policy, argv, cwd, disable_userns=disable_userns,
+                                      masked_sockets=masked, environment=environment),
+                cwd=str(cwd), env=dict(LAUNCHER_ENVIRONMENT), isolated=True,
+            )
+        fd = environment_descriptor(environment)
+        try:
+            spec_argv = build_bwrap_argv(bwrap, policy, argv, cwd, disable_userns=disable_userns,
+                                         masked_sockets=masked, environment_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return LaunchSpec(argv=spec_argv, cwd=str(cwd), env=dict(LAUNCHER_ENVIRONMENT), isolated=True,
+                          pass_fds=(fd,), close_after_spawn=(fd,))

@@ -249,7 +249,7 @@ class LandlockBackend(Backend):
 
     def launch_spec(
         self, policy: ResolvedPolicy, argv: Sequence[str], cwd: Path, env: Mapping[str, str],
-        *, writable_files: Sequence[str] = (),
+        *, writable_files: Sequence[str] = (), inline_environment: bool = False,
     ) -> LaunchSpec:
         private_tmp = policy.private_tmp
         abi = landlock_abi()

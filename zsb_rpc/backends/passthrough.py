@@ -20,7 +20,7 @@ class PassthroughBackend(Backend):
 
     def launch_spec(
         self, policy: ResolvedPolicy, argv: Sequence[str], cwd: Path, env: Mapping[str, str],
-        *, writable_files: Sequence[str] = (),
+        *, writable_files: Sequence[str] = (), inline_environment: bool = False,
     ) -> LaunchSpec:
         command = resolve_program(argv, env)
         return LaunchSpec(argv=command, cwd=str(cwd), env=dict(env), isolated=False, warnings=[WARNING],

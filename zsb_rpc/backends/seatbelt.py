@@ -407,7 +407,7 @@ class SeatbeltBackend(Backend):
 
     def launch_spec(
         self, policy: ResolvedPolicy, argv: Sequence[str], cwd: Path, env: Mapping[str, str],
-        *, writable_files: Sequence[str] = (),
+        *, writable_files: Sequence[str] = (), inline_environment: bool = False,
     ) -> LaunchSpec:
         command = resolve_program(argv, env)
         tmpdir, warning = user_temp_dir()
