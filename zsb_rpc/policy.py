@@ -35,14 +35,18 @@ PROTECTED_FILE_NAMES: tuple[str, ...] = (
     ".bashrc", ".bash_profile", ".zshrc", ".zprofile", ".profile",
     ".gitconfig", ".gitmodules", ".ripgreprc", ".mcp.json",
 )
-PROTECTED_DIRECTORY_NAMES: tuple[str, ...] = (".vscode", ".idea")
+PROTECTED_DIRECTORY_NAMES: tuple[str, ...] = (".vscode", ".idea", ".claude", ".cursor", ".gemini", ".husky")
 #: Inside a repository: what git executes (hooks) or trusts (config).
 PROTECTED_GIT_NAMES: tuple[str, ...] = ("hooks", "config")
 #: Read by a login shell or by git from a home directory only: where a writable
 #: root is a home directory, these are protected even when they do not exist.
 HOME_STARTUP_FILES: tuple[str, ...] = (
-    ".bashrc", ".bash_profile", ".zshrc", ".zprofile", ".profile", ".gitconfig", ".ripgreprc",
+    ".bashrc", ".bash_profile", ".bash_login", ".bash_logout", ".zshrc", ".zprofile", ".zshenv", ".zlogin",
+    ".profile", ".gitconfig", ".ripgreprc",
 )
+#: Directories with the same property in a home directory: ssh keys a remote login
+#: trusts, git's XDG configuration.
+HOME_STARTUP_DIRECTORIES: tuple[str, ...] = (".ssh", ".config/git")
 #: Read by an editor or an agent from a project root: protected there even
 #: when they do not exist.
 PROJECT_ROOT_NAMES: tuple[tuple[str, str], ...] = ((".vscode", "dir"), (".idea", "dir"), (".mcp.json", "file"))
@@ -53,6 +57,9 @@ SENSITIVE_HOME_PATHS: tuple[str, ...] = (
     ".ssh", ".aws", ".gnupg", ".azure", ".kube", ".config/gcloud", ".config/gh",
     ".docker/config.json", ".docker/run/docker.sock", ".netrc", ".npmrc", ".pypirc",
     ".git-credentials", "Library/Keychains",
+    ".cargo/credentials.toml", ".cargo/credentials", ".config/github-copilot", ".config/hub",
+    ".codex/auth.json", ".claude/.credentials.json", ".vault-token", ".terraform.d/credentials.tfrc.json",
+    ".config/op", ".password-store", ".local/share/keyrings",
 )
 #: Container-engine sockets: connecting to one is root on the host, and a
 #: read-only mount does not stop a connection to a socket file.
@@ -95,6 +102,8 @@ class ResolvedPolicy:
     allow_unix_sockets: tuple[Path, ...] = ()
     #: A temporary directory of the session, for backends without a private /tmp.
     private_tmp: Path | None = None
+    #: Hidden paths that existed at open: one that vanishes later was moved, and a run refuses.
+    hidden_at_open: tuple[Path, ...] = ()
 
     @property
     def unwritable(self) -> tuple[Path, ...]:
@@ -169,7 +178,8 @@ class Placeholder:
 def _gitdir_of(dotgit: Path) -> Path | None:
     """The repository a ``.git`` file (worktree, submodule) points at."""
     try:
-        text = dotgit.read_text(errors="replace")[:4096]
+        with open(dotgit, "rb") as handle:  # bounded: a command may have planted a huge file
+            text = handle.read(4096).decode("utf-8", "replace")
     except OSError:
         return None
     if not text.startswith("gitdir:"):
@@ -183,6 +193,10 @@ def _git_metadata(dotgit: Path, create: bool) -> tuple[list[Path], list[Placehol
         return [dotgit], []
     if dotgit.is_dir():
         paths = [dotgit / name for name in PROTECTED_GIT_NAMES]
+        configured = hooks_path(dotgit)
+        if configured:
+            target = Path(configured).expanduser()
+            paths.append(target if target.is_absolute() else dotgit.parent / target)
         missing = [Placeholder(dotgit / "hooks", "dir")] if create and not os.path.lexists(dotgit / "hooks") else []
         if create and not os.path.lexists(dotgit / "config"):
             missing.append(Placeholder(dotgit / "config", "file"))
@@ -213,12 +227,22 @@ def protected_in(root: Path, *, create_missing: bool, home_like: bool) -> tuple[
     for name in (*PROTECTED_FILE_NAMES, *PROTECTED_DIRECTORY_NAMES):
         if os.path.lexists(root / name):
             found.append(root / name)
+    if home_like:
+        found.extend(root / name for name in (*HOME_STARTUP_FILES, *HOME_STARTUP_DIRECTORIES)
+                     if os.path.lexists(root / name))
     if create_missing:
         wanted = [(name, "file") for name in HOME_STARTUP_FILES] if home_like else []
+        wanted += [(name, "dir") for name in HOME_STARTUP_DIRECTORIES] if home_like else []
         for name, kind in (*wanted, *PROJECT_ROOT_NAMES):
-            if not os.path.lexists(root / name):
-                found.append(root / name)
-                missing.append(Placeholder(root / name, kind))
+            path = root / name
+            if not os.path.lexists(path):
+                found.append(path)
+                # Parents that are missing too (.config for .config/git) are made, not protected.
+                for relative in reversed(path.relative_to(root).parents[:-1]):
+                    parent = Placeholder(root / relative, "dir")
+                    if not os.path.lexists(parent.path) and parent not in missing:
+                        missing.append(parent)
+                missing.append(Placeholder(path, kind))
     paths, placeholders = _git_metadata(root / ".git", create_missing)
     found.extend(paths)
     missing.extend(placeholders)
@@ -251,6 +275,30 @@ def protected_in(root: Path, *, create_missing: bool, home_like: bool) -> tuple[
             if is_directory and entry.name not in _SKIPPED_DIRECTORIES and depth + 1 < _PROTECTED_SEARCH_DEPTH:
                 pending.append((path, depth + 1))
     return found, missing, False
+
+
+def symlinked(paths: Iterable[Path]) -> list[Path]:
+    """Which of ``paths`` are symbolic links themselves (a mount would land on their target)."""
+    return [path for path in paths if path.is_symlink()]
+
+
+def hooks_path(dotgit: Path) -> str | None:
+    """``core.hooksPath`` of a repository's config (husky and the like): hooks that live elsewhere."""
+    try:
+        with open(dotgit / "config", "rb") as handle:
+            text = handle.read(1 << 16).decode("utf-8", "replace")
+    except OSError:
+        return None
+    section = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if line.startswith("["):
+            section = line.strip("[]").strip().lower()
+        elif section == "core" and "=" in line:
+            key, _, value = line.partition("=")
+            if key.strip().lower() == "hookspath":
+                return value.strip().strip('"')
+    return None
 
 
 def home_directories(home: Path) -> set[Path]:
@@ -357,6 +405,19 @@ def resolve_policy(
             if truncated:
                 warnings.append(f"{root}: too many entries to search for protected files; only part of the tree is covered")
 
+    # Only what lies in a writable root needs protecting; a gitdir elsewhere is read-only anyway.
+    protected = [path for path in protected if any(path.is_relative_to(root) for root in roots)]
+    for path in denied_write:
+        # A denied path that does not exist yet is made, so that it cannot be created instead.
+        inside = [root for root in roots if path.is_relative_to(root) and path != root]
+        if inside and not os.path.lexists(path):
+            root = max(inside, key=lambda r: len(r.parts))
+            for relative in reversed(path.relative_to(root).parents[:-1]):
+                parent = Placeholder(root / relative, "dir")
+                if not os.path.lexists(parent.path) and parent not in placeholders:
+                    placeholders.append(parent)
+            placeholders.append(Placeholder(path, "dir"))
+
     kept_denied_read: list[Path] = []
     for index, denied in enumerate(denied_read):
         inside = [root for root in roots if root == denied or root.is_relative_to(denied)]
@@ -376,9 +437,10 @@ def resolve_policy(
     sockets = tuple(
         as_path(v, f"params.allowUnixSockets[{i}]", home).resolve(strict=False) for i, v in enumerate(allow_unix_sockets)
     )
+    hidden_at_open = tuple(path for path in _unique(kept_denied_read) if os.path.lexists(path))
     return ResolvedPolicy(
         workspace=workspace,
-        writable=_unique(roots),
+        writable=outermost(roots),
         denied_write=denied_write,
         protected_write=_unique(protected),
         denied_read=_unique(kept_denied_read),
@@ -392,4 +454,16 @@ def resolve_policy(
         home=home,
         placeholders=tuple(placeholders),
         allow_unix_sockets=sockets,
+        hidden_at_open=hidden_at_open,
     )
+
+
+def outermost(roots: Iterable[Path]) -> tuple[Path, ...]:
+    """The writable roots, without those inside another one.
+
+    A root inside another is writable already, and binding it again by path
+    each run would follow whatever a command put there since: a symlink
+    swapped in for ``a/b`` would carry the next run's writes outside.
+    """
+    unique = _unique(roots)
+    return tuple(root for root in unique if not any(root != other and root.is_relative_to(other) for other in unique))

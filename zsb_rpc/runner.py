@@ -180,6 +180,14 @@ def reap_orphans() -> None:
         if child.pid in _ACTIVE_ROOTS:
             continue
         try:
+            if child.status() == psutil.STATUS_ZOMBIE:
+                # A sandbox's PID 1 that outlived its bwrap comes here (we are a subreaper).
+                with contextlib.suppress(ChildProcessError, OSError):
+                    os.waitpid(child.pid, os.WNOHANG)
+                continue
+        except psutil.Error:
+            continue
+        try:
             if os.getsid(child.pid) == own_session:
                 continue
         except OSError:
@@ -310,8 +318,7 @@ async def run_command(
     _SPAWNING += 1
     loop = asyncio.get_running_loop()
     exit_future: asyncio.Future[int] = loop.create_future()
-    try:
-        transport, protocol = await loop.subprocess_exec(
+    spawning = asyncio.ensure_future(loop.subprocess_exec(
             lambda: _ExitProtocol(exit_future, loop),
             *spec.argv,
             cwd=spec.cwd,
@@ -323,7 +330,22 @@ async def run_command(
             close_fds=True,
             pass_fds=spec.pass_fds,
             **extra,
-        )
+        ))
+    try:
+        try:
+            transport, protocol = await asyncio.shield(spawning)
+        except asyncio.CancelledError:
+            # Cancelled while the sandbox starts: let it start, then end its tree, so that
+            # nothing outlives a request that was answered -32800.
+            with contextlib.suppress(BaseException):
+                started_transport, _ = await spawning
+                kill_process_tree(started_transport.get_pid())
+                started_transport.close()
+            # bwrap may have forked the sandbox's PID 1 a moment before it died, too early for
+            # --die-with-parent: orphaned, it comes to us (a subreaper), and the reaper ends it.
+            for delay in (0.05, 0.25, 1.0):
+                loop.call_later(delay, reap_orphans)
+            raise
         process = asyncio.subprocess.Process(transport, protocol, loop)
     except (OSError, subprocess.SubprocessError) as error:
         raise SpawnFailed(f"cannot start {spec.argv[0]}: {getattr(error, 'strerror', None) or error}") from None
@@ -362,12 +384,12 @@ async def run_command(
             timed_out = True
             handle.kill()
             await exited
+        _ACTIVE_ROOTS.discard(process.pid)
         if not spec.own_pid_namespace:
             # The command is done: whatever it left in its group goes too. (With a
             # PID namespace the kernel already ended it, and the pid may be reused.)
             kill_process_tree(process.pid)
-            _ACTIVE_ROOTS.discard(process.pid)
-            reap_orphans()
+        reap_orphans()
         _, pending = await asyncio.wait(pumps, timeout=PIPE_GRACE_SECONDS)
         for task in pending:
             task.cancel()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 
@@ -12,7 +11,7 @@ from pygls.server import JsonRPCServer
 from .capabilities import report_capabilities
 from .protocol import types as t
 from .protocol.convert import make_converter
-from .runner import become_subreaper
+from .runner import become_subreaper, reap_orphans
 from .sessions import SessionTable
 from .wire import ZsbProtocol, open_stdio, read_frames
 
@@ -37,15 +36,7 @@ class ZsbServer(JsonRPCServer):
 
         @self.feature("session/open")
         async def session_open(params: t.SessionOpenParams) -> t.SessionOpenResult:
-            opening = asyncio.get_running_loop().run_in_executor(None, sessions.open, params)
-            try:
-                return await asyncio.shield(opening)
-            except asyncio.CancelledError:
-                # The thread goes on; a session nobody will learn the id of is closed again.
-                with contextlib.suppress(Exception):
-                    opened = await opening
-                    await sessions.close(t.SessionCloseParams(session_id=opened.session_id))
-                raise
+            return await sessions.open_async(params)
 
         @self.feature("run")
         async def run(params: t.RunParams) -> t.RunResult:
@@ -75,6 +66,13 @@ class ZsbServer(JsonRPCServer):
         async def session_close(params: t.SessionCloseParams) -> t.SessionCloseResult:
             return await sessions.close(params)
 
+    @staticmethod
+    async def _reap_orphans_forever() -> None:
+        """A sandbox that escaped its bwrap's death (killed while starting) is reparented to us."""
+        while True:
+            await asyncio.sleep(1.0)
+            reap_orphans()
+
     async def serve_stdio(self) -> None:
         """Serve until stdin closes or a terminating signal arrives, then tear every session down."""
         loop = asyncio.get_running_loop()
@@ -85,12 +83,14 @@ class ZsbServer(JsonRPCServer):
         become_subreaper()
         # Off the start-up path: the first answer does not wait for it.
         loop.run_in_executor(None, self.sessions.remove_stale)
+        reaper = asyncio.ensure_future(self._reap_orphans_forever())
         frames = asyncio.ensure_future(read_frames(reader, self.protocol.handle_body, self.protocol.framing_error))
         stopped = asyncio.ensure_future(stop.wait())
         await asyncio.wait([frames, stopped], return_when=asyncio.FIRST_COMPLETED)
         logger.info("client gone; closing every session")
         frames.cancel()
         stopped.cancel()
+        reaper.cancel()
         await self.sessions.close_all()
         # Requests in flight (their runs were just killed) still get their one
         # answer, within the 2 s a parent waits for us.

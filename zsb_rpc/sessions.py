@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import dataclasses
 import logging
 import os
 import secrets
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,11 +78,15 @@ class SessionTable:
         self._home = Path(self._environ.get("HOME") or os.path.expanduser("~"))
         self._directory: Path | None = None
         self._releasing: set[asyncio.Future[None]] = set()
+        self._directory_lock = threading.Lock()
+        self._opening: set[asyncio.Future[SessionOpenResult]] = set()
 
     def _private_root(self) -> Path:
-        if self._directory is None:
-            self._directory = server_directory()
-        return self._directory
+        # Opens run in executor threads: one directory per server, made once.
+        with self._directory_lock:
+            if self._directory is None:
+                self._directory = server_directory()
+            return self._directory
 
     def _get(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
@@ -214,7 +220,7 @@ class SessionTable:
         limits = session.policy.limits
         run_limits = RunLimits(plan, limits)
         try:
-            prefix = run_limits.start()
+            prefix = run_limits.start(trampoline=not session.backend.launch_needs_server)
         except OSError as error:
             raise SpawnFailed(f"cannot create the run's cgroup: {error}") from None
         try:
@@ -273,10 +279,25 @@ class SessionTable:
                                 warnings=[*spec.warnings, *plan.warnings]),
         )
 
+    async def open_async(self, params: SessionOpenParams) -> SessionOpenResult:
+        """``open`` in a thread; close_all waits for opens under way, so none outlives it."""
+        opening = asyncio.get_running_loop().run_in_executor(None, self.open, params)
+        self._opening.add(opening)
+        opening.add_done_callback(self._opening.discard)
+        try:
+            return await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            # The thread goes on; a session nobody will learn the id of is closed again.
+            with contextlib.suppress(Exception):
+                opened = await opening
+                await self.close(SessionCloseParams(session_id=opened.session_id))
+            raise
+
     async def close(self, params: SessionCloseParams) -> SessionCloseResult:
         session = self._get(params.session_id)
         del self._sessions[session.id]
-        removed = await self._teardown(session)
+        # Shielded: a cancel that crosses a close must not leave half a teardown (placeholders).
+        removed = await asyncio.shield(self._teardown(session))
         return SessionCloseResult(session_id=session.id, removed_workspace=removed)
 
     async def _teardown(self, session: Session) -> bool:
@@ -308,6 +329,8 @@ class SessionTable:
             logger.info("removed cgroup %s, left by a server that died", path)
 
     async def close_all(self) -> None:
+        if self._opening:
+            await asyncio.wait(list(self._opening), timeout=5)
         sessions = list(self._sessions.values())
         self._sessions.clear()
         await asyncio.gather(*(self._teardown(s) for s in sessions), return_exceptions=True)

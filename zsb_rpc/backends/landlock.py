@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..policy import ResolvedPolicy
-from ..protocol.errors import InvalidParams
+from ..protocol.errors import InvalidParams, SpawnFailed
 from .base import Availability, Backend, LaunchSpec, resolve_program
 
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
@@ -107,7 +107,7 @@ def build_seccomp_filter(machine: str, *, deny_sockets: bool) -> bytes:
     ENOSYS and the C library falls back to clone, whose flags it can.
     """
     arch, numbers = _ARCH[machine]
-    LD_W_ABS, JEQ_K, JSET_K, RET_K = 0x20, 0x15, 0x45, 0x06
+    LD_W_ABS, JEQ_K, JGE_K, JSET_K, RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
     program: list[tuple[int, int, int, int]] = []
 
     def emit(code: int, k: int, jt: int = 0, jf: int = 0) -> None:
@@ -117,6 +117,8 @@ def build_seccomp_filter(machine: str, *, deny_sockets: bool) -> bytes:
     emit(JEQ_K, arch, 1, 0)
     emit(RET_K, _ret_errno(1))                        # another architecture: EPERM
     emit(LD_W_ABS, 0)                                 # seccomp_data.nr
+    emit(JGE_K, 0x40000000, 0, 1)                     # x32 numbers share the architecture: refuse them
+    emit(RET_K, _ret_errno(1))
     if deny_sockets:
         emit(JEQ_K, numbers["socket"], 0, 1)
         emit(RET_K, _ret_errno(13))                   # socket(): EACCES
@@ -192,6 +194,9 @@ DIFFERENCES = (
     "landlock backend: no PID namespace (other processes are visible in /proc, but cannot be signalled or traced)",
     "landlock backend: listing a directory on the way to a hidden path (ls /) is refused",
 )
+NETWORK_FULL_DIFFERENCE = (
+    "landlock backend: with network full, host Unix sockets are reachable (Landlock cannot mask a socket file)"
+)
 NETWORK_NONE_DIFFERENCE = (
     "landlock backend: with network none, socket() is refused altogether (socketpair works; a Unix socket server "
     "in the workspace does not)"
@@ -215,8 +220,7 @@ class LandlockBackend(Backend):
 
     def differences(self, policy: ResolvedPolicy) -> list[str]:
         found = list(DIFFERENCES)
-        if policy.network == "none":
-            found.append(NETWORK_NONE_DIFFERENCE)
+        found.append(NETWORK_NONE_DIFFERENCE if policy.network == "none" else NETWORK_FULL_DIFFERENCE)
         return found
 
     def prepare(self, policy: ResolvedPolicy) -> list[Path]:
@@ -252,6 +256,10 @@ class LandlockBackend(Backend):
         *, writable_files: Sequence[str] = (), inline_environment: bool = False,
     ) -> LaunchSpec:
         private_tmp = policy.private_tmp
+        vanished = [path for path in policy.hidden_at_open if not os.path.lexists(path)]
+        if vanished:
+            # Moved since the session opened: the walk below would grant it under its new name.
+            raise SpawnFailed(f"the hidden path {vanished[0]} is gone since the session opened; refusing to run")
         abi = landlock_abi()
         handled_fs = _fs_rights(abi)
         handled_net = (NET_BIND_TCP | NET_CONNECT_TCP) if abi >= 4 and policy.network == "none" else 0
@@ -267,8 +275,6 @@ class LandlockBackend(Backend):
             rules.append((private_tmp, read_rights | write_rights))
         for device in _DEVICES_RW:
             rules.append((Path(device), (READ_FILE | WRITE_FILE | (IOCTL_DEV if abi >= 5 else 0)) & handled_fs))
-        for name in writable_files:  # the run's cgroup.procs, for the launcher
-            rules.append((Path(name), WRITE_FILE & handled_fs))
         ruleset = _make_ruleset(handled_fs, handled_net, scoped, abi, rules)
         seccomp = build_seccomp_filter(platform.machine(), deny_sockets=policy.network == "none")
         environment = dict(env)
@@ -277,7 +283,7 @@ class LandlockBackend(Backend):
         command = resolve_program(argv, environment)
         return LaunchSpec(
             argv=command, cwd=str(cwd), env=environment, isolated=True,
-            preexec=functools.partial(_enter_sandbox, ruleset, seccomp), pass_fds=(ruleset,),
+            preexec=functools.partial(_enter_sandbox, ruleset, seccomp, tuple(writable_files)), pass_fds=(ruleset,),
             close_after_spawn=(ruleset,), own_pid_namespace=False,
         )
 
@@ -350,8 +356,15 @@ def _drop_capabilities() -> None:  # pragma: no cover - runs in the forked child
         raise OSError(ctypes.get_errno(), "capset failed")
 
 
-def _enter_sandbox(ruleset: int, seccomp: bytes) -> None:  # pragma: no cover - runs in the forked child
-    """Between fork and exec: no capabilities, no new privileges, subreaper, seccomp, then Landlock."""
+def _enter_sandbox(ruleset: int, seccomp: bytes, cgroup_procs: tuple[str, ...]) -> None:  # pragma: no cover
+    """Between fork and exec: the run's cgroups, no capabilities, no new privileges, subreaper,
+    seccomp, then Landlock. The cgroups come first so the sandbox needs no right on cgroupfs."""
+    for procs in cgroup_procs:
+        fd = os.open(procs, os.O_WRONLY)
+        try:
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
     _drop_capabilities()
     if _libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")

@@ -201,8 +201,11 @@ class RunLimits:
         if plan.cgroup_controllers:
             self.cgroup = CgroupRun(probe_cgroups(), server_cgroup(), plan.cgroup_controllers)
 
-    def start(self) -> list[str]:
-        """Create the run's cgroup; the argv prefix that enters it and applies the rlimits."""
+    def start(self, *, trampoline: bool = True) -> list[str]:
+        """Create the run's cgroup; the argv prefix that enters it and applies the rlimits.
+
+        ``trampoline`` false: the backend enters the cgroup itself between fork and exec.
+        """
         prefix: list[str] = []
         if self.cgroup is not None:
             self.cgroup.create(
@@ -211,7 +214,8 @@ class RunLimits:
                 processes=self.limits.processes if self.plan.mechanisms.get("processes") == "cgroup" else None,
                 cpu_percent=self.limits.cpu_percent if self.plan.mechanisms.get("cpuPercent") == "cgroup" else None,
             )
-            prefix += ["/bin/sh", "-c", CGROUP_TRAMPOLINE, "zsb-enter-cgroup", *self.cgroup.procs_files(), "--"]
+            if trampoline:
+                prefix += ["/bin/sh", "-c", CGROUP_TRAMPOLINE, "zsb-enter-cgroup", *self.cgroup.procs_files(), "--"]
         prlimit = _prlimit()
         if self.plan.rlimit_options and prlimit:
             prefix += [prlimit, *self.plan.rlimit_options, "--"]

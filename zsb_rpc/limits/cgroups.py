@@ -226,6 +226,9 @@ def remove_cgroup(path: Path) -> None:
             # Processes that still exist are killed; an empty cgroup then goes.
             with contextlib.suppress(OSError):
                 for pid in (path / "cgroup.procs").read_text().split():
+                    # Never the server or its parent, whatever a command wrote into the file.
+                    if int(pid) in (os.getpid(), os.getppid()):
+                        continue
                     with contextlib.suppress(OSError):
                         os.kill(int(pid), 9)
             time.sleep(0.01)

@@ -177,7 +177,10 @@ class WrapParams:
 class WrapResult:
     argv: list[str] = doc("The sandboxed command line to spawn, in its own process group.")
     cwd: str = doc("Directory to spawn it in.")
-    env: dict[str, str] = doc("The whole environment to spawn it with.")
+    env: dict[str, str] = doc(
+        "The environment to spawn it with: the launcher's own, fixed. The command's environment is carried in the "
+        "argv (bubblewrap --setenv), so that nothing in it (LD_PRELOAD) acts outside the sandbox."
+    )
     warnings: list[str] = doc("What the argv cannot carry (limits that need the server to place the process).")
 
 

@@ -389,7 +389,10 @@ export interface WrapResult {
   argv: string[];
   /** Directory to spawn it in. */
   cwd: string;
-  /** The whole environment to spawn it with. */
+  /**
+   * The environment to spawn it with: the launcher's own, fixed. The command's environment is carried
+   * in the argv (bubblewrap --setenv), so that nothing in it (LD_PRELOAD) acts outside the sandbox.
+   */
   env: Record<string, string>;
   /** What the argv cannot carry (limits that need the server to place the process). */
   warnings: string[];
