@@ -307,7 +307,8 @@ async def test_sync_and_async_calls_mix_on_one_session() -> None:
         wrapped = await sb.awrap(["echo", "hi"], env={"X": "1"})
         assert wrapped.argv[-2:] == ("echo", "hi") and wrapped.cwd == str(sb.workspace)
         # The command's environment travels in the argv (bwrap --setenv), not in the launcher's.
-        assert "X" not in wrapped.env and ("--setenv", "X", "1") in zip(wrapped.argv, wrapped.argv[1:], wrapped.argv[2:], strict=False)
+        triples = zip(wrapped.argv, wrapped.argv[1:], wrapped.argv[2:], strict=False)
+        assert "X" not in wrapped.env and ("--setenv", "X", "1") in triples
         assert sb.wrap(["echo", "hi"], env={"X": "1"}) == wrapped
         assert sb.run("echo sync").stdout == "sync\n"
 
