@@ -149,3 +149,45 @@ def test_exit_codes_fold_signals_only_for_bubblewrap():
     assert _exit_code(137, False) == (137, None)
     assert _exit_code(-15, False) == (-15, 15)
     assert _exit_code(3, True) == (3, None)
+
+
+def test_cgroup_v2_files_on_a_fake_tree(tmp_path: Path):
+    """The v2 layout cannot be exercised on this machine's kernel (v1 controllers); its files can."""
+    from zsb_rpc.limits.cgroups import CgroupRun, CgroupSupport, _probe_v2
+
+    own = tmp_path / "user.slice" / "svc"
+    own.mkdir(parents=True)
+    (own / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    (own / "cgroup.subtree_control").write_text("cpu memory pids\n")
+    (own / "cgroup.procs").write_text("")
+    directories, reason = _probe_v2(tmp_path, "/user.slice/svc")
+    assert reason is None and set(directories) == {"memory", "pids", "cpu"}
+    run = CgroupRun(CgroupSupport(2, directories), "zsb-rpc-1-ab", ["memory", "pids", "cpu"])
+    run.create(memory_bytes=64 << 20, processes=32, cpu_percent=50)
+    path = run.paths["memory"]
+    assert path.parent.name == "zsb-rpc-1-ab" and run.procs_files() == [str(path / "cgroup.procs")]
+    assert (path.parent / "cgroup.subtree_control").read_text() == "+memory +pids +cpu"
+    assert (path / "memory.max").read_text() == str(64 << 20)
+    assert (path / "memory.swap.max").read_text() == "0"
+    assert (path / "pids.max").read_text() == "32"
+    assert (path / "cpu.max").read_text() == "50000 100000"
+    (path / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    (path / "pids.events").write_text("max 7\n")
+    (path / "memory.current").write_text("1048576\n")
+    (path / "memory.peak").write_text("2097152\n")
+    (path / "cpu.stat").write_text("usage_usec 1500000\nuser_usec 1000000\n")
+    (path / "pids.current").write_text("3\n")
+    assert run.limits_hit() == ["memory", "processes"]
+    assert run.sample() == {"memory": 1048576, "peak": 2097152, "cpu": 1.5, "processes": 3}
+
+
+def test_cgroup_v2_without_delegation_is_refused_with_the_reason(tmp_path: Path):
+    from zsb_rpc.limits.cgroups import _probe_v2
+
+    own = tmp_path / "session"
+    own.mkdir()
+    (own / "cgroup.controllers").write_text("memory pids\n")
+    (own / "cgroup.subtree_control").write_text("\n")
+    (own / "cgroup.procs").write_text("1234\n")
+    directories, reason = _probe_v2(tmp_path, "/session")
+    assert directories == {} and "Delegate=yes" in reason
