@@ -169,32 +169,42 @@ def reap_orphans() -> None:
     """
     if _SPAWNING:
         return  # a child that is being spawned is not registered yet; next time
-    try:
-        import psutil
-
-        children = psutil.Process().children()
-    except Exception:
-        return
     own_session = os.getsid(0)
-    for child in children:
-        if child.pid in _ACTIVE_ROOTS:
+    for pid, state in _direct_children():
+        if pid in _ACTIVE_ROOTS:
+            continue
+        if state == "Z":
+            # A sandbox's PID 1 that outlived its bwrap comes here (we are a subreaper).
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
             continue
         try:
-            if child.status() == psutil.STATUS_ZOMBIE:
-                # A sandbox's PID 1 that outlived its bwrap comes here (we are a subreaper).
-                with contextlib.suppress(ChildProcessError, OSError):
-                    os.waitpid(child.pid, os.WNOHANG)
-                continue
-        except psutil.Error:
-            continue
-        try:
-            if os.getsid(child.pid) == own_session:
+            if os.getsid(pid) == own_session:
                 continue
         except OSError:
-            pass
-        kill_process_tree(child.pid)
+            continue
+        kill_process_tree(pid)
         with contextlib.suppress(ChildProcessError, OSError):
-            os.waitpid(child.pid, os.WNOHANG)
+            os.waitpid(pid, os.WNOHANG)
+
+
+def _direct_children() -> list[tuple[int, str]]:
+    """(pid, state) of the server's children, from /proc/self/task/*/children: no full /proc scan."""
+    pids: list[int] = []
+    try:
+        for task in os.scandir("/proc/self/task"):
+            with open(f"{task.path}/children") as handle:
+                pids.extend(int(pid) for pid in handle.read().split())
+    except OSError:
+        return []
+    found = []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as handle:
+                found.append((pid, handle.read().rsplit(")", 1)[1].split()[0]))
+        except (OSError, IndexError):
+            continue
+    return found
 
 
 def _grow_pipes(transport: Any) -> None:
@@ -389,6 +399,7 @@ async def run_command(
             # The command is done: whatever it left in its group goes too. (With a
             # PID namespace the kernel already ended it, and the pid may be reused.)
             kill_process_tree(process.pid)
+        # Leftovers that came to us, and the zombie of a sandbox's PID 1 (cheap: no /proc scan).
         reap_orphans()
         _, pending = await asyncio.wait(pumps, timeout=PIPE_GRACE_SECONDS)
         for task in pending:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 
 from pygls.server import JsonRPCServer
 
@@ -16,6 +18,23 @@ from .sessions import SessionTable
 from .wire import ZsbProtocol, open_stdio, read_frames
 
 logger = logging.getLogger(__name__)
+
+
+def use_pidfd_child_watcher(loop: asyncio.AbstractEventLoop) -> None:
+    """Python 3.11 waits for each child in a thread of its own, started per spawn (about 1 ms of
+    every run); a pidfd watched by the loop costs nothing. 3.12 does this by itself."""
+    if sys.version_info >= (3, 12) or not hasattr(os, "pidfd_open"):
+        return
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            watcher = asyncio.PidfdChildWatcher()
+            watcher.attach_loop(loop)
+            asyncio.set_child_watcher(watcher)
+        except (OSError, AttributeError, NotImplementedError):
+            pass  # the thread per child it is
 
 
 class ZsbServer(JsonRPCServer):
@@ -76,6 +95,7 @@ class ZsbServer(JsonRPCServer):
     async def serve_stdio(self) -> None:
         """Serve until stdin closes or a terminating signal arrives, then tear every session down."""
         loop = asyncio.get_running_loop()
+        use_pidfd_child_watcher(loop)
         reader = await open_stdio(self.protocol)
         stop = asyncio.Event()
         for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):

@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 MAX_HEADER_LINE = 64 * 1024
-WRITE_BUFFER_HIGH = 8 * 1024 * 1024
+WRITE_BUFFER_HIGH = 2 * 1024 * 1024
 _MISSING = object()
 
 

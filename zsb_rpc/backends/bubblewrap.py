@@ -270,33 +270,49 @@ SOCKET_DIRECTORIES = ("/run", "/var/run")
 _SOCKET_WALK_ENTRIES = 20_000
 
 
+#: directory -> (mtime, sockets in it, subdirectories): a directory whose mtime has not moved
+#: has the same entries, so each run stats the tree instead of listing it.
+_SOCKET_DIRECTORY_CACHE: dict[str, tuple[int, list[str], list[str]]] = {}
+
+
 def socket_files(directories: Sequence[str]) -> list[Path]:
     """Socket files under ``directories`` (bounded, symlinks not followed)."""
-    found: list[Path] = []
+    found: list[str] = []
     seen: set[tuple[int, int]] = set()
     visited = 0
-    pending = [Path(d) for d in directories]
+    pending = list(directories)
     while pending and visited < _SOCKET_WALK_ENTRIES:
         directory = pending.pop()
         try:
-            info = directory.lstat()
-            if not stat.S_ISDIR(info.st_mode) or (info.st_dev, info.st_ino) in seen:
-                continue
-            seen.add((info.st_dev, info.st_ino))
-            entries = list(os.scandir(directory))
+            info = os.lstat(directory)
         except OSError:
+            _SOCKET_DIRECTORY_CACHE.pop(directory, None)
             continue
-        for entry in entries:
-            visited += 1
+        if not stat.S_ISDIR(info.st_mode) or (info.st_dev, info.st_ino) in seen:
+            continue
+        seen.add((info.st_dev, info.st_ino))
+        cached = _SOCKET_DIRECTORY_CACHE.get(directory)
+        if cached is None or cached[0] != info.st_mtime_ns:
+            sockets, subdirectories = [], []
             try:
-                mode = entry.stat(follow_symlinks=False).st_mode
+                with os.scandir(directory) as entries:
+                    for entry in entries:
+                        try:
+                            mode = entry.stat(follow_symlinks=False).st_mode
+                        except OSError:
+                            continue
+                        if stat.S_ISSOCK(mode):
+                            sockets.append(entry.path)
+                        elif stat.S_ISDIR(mode):
+                            subdirectories.append(entry.path)
             except OSError:
                 continue
-            if stat.S_ISSOCK(mode):
-                found.append(Path(entry.path))
-            elif stat.S_ISDIR(mode):
-                pending.append(Path(entry.path))
-    return found
+            cached = (info.st_mtime_ns, sockets, subdirectories)
+            _SOCKET_DIRECTORY_CACHE[directory] = cached
+        visited += len(cached[1]) + len(cached[2])
+        found.extend(cached[1])
+        pending.extend(cached[2])
+    return [Path(path) for path in found]
 
 
 def sockets_to_mask(policy: ResolvedPolicy, candidates: Sequence[Path]) -> list[Path]:
