@@ -64,3 +64,11 @@ async def test_passthrough_isolates_nothing_and_says_so(server: RpcClient, scrat
     from tests.conftest import wait_gone
 
     assert wait_gone(marker) == []
+
+
+async def test_landlock_applies_cgroup_limits_entering_the_cgroup_before_its_domain(server: RpcClient, identity: str):
+    opened = await server.call("session/open", {"backend": "landlock", "limits": {"memoryBytes": 64 << 20}})
+    result = await server.run(opened["sessionId"], ["python3", "-c", "x = bytearray(512 * 1024 * 1024)"])
+    assert result["exitCode"] != 0 and "memory" in result["resources"]["limitsHit"]
+    assert result["resources"]["mechanisms"]["memory"] == ("cgroup" if identity == "root" else "rlimit_as")
+    assert (await server.run(opened["sessionId"], "echo fine"))["stdout"] == "fine\n"

@@ -197,3 +197,19 @@ async def test_commands_cannot_see_or_signal_the_server(server: RpcClient, sessi
         assert any("no PID namespace" in w for w in session["warnings"])
     await asyncio.sleep(0)
     assert server.process.returncode is None
+
+
+async def test_deny_write_on_a_path_that_does_not_exist_yet_keeps_it_from_being_created(
+    server: RpcClient, scratch: Path, owner, backend: str
+):
+    workspace = scratch / "deploy"
+    workspace.mkdir()
+    chown_tree(workspace, owner)
+    params = dict(workspace=str(workspace), denyWrite=[str(workspace / "deploy.sh")])
+    opened = await open_or_refused(server, backend, **params)
+    if opened is None:
+        return
+    result = await server.run(opened["sessionId"], "echo 'rm -rf /' > deploy.sh && echo CREATED; echo ok > other && echo OTHER")
+    await server.call("session/close", {"sessionId": opened["sessionId"]})
+    assert "CREATED" not in result["stdout"] and "OTHER" in result["stdout"]
+    assert not (workspace / "deploy.sh").exists() and (workspace / "other").exists()

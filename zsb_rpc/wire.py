@@ -38,10 +38,6 @@ WRITE_BUFFER_HIGH = 2 * 1024 * 1024
 _MISSING = object()
 
 
-class FramingError(Exception):
-    pass
-
-
 async def read_frames(reader: asyncio.StreamReader, on_body: Any, on_error: Any) -> None:
     """Call ``on_body`` for each framed message until EOF; ``on_error`` for each broken frame."""
     while True:
@@ -133,9 +129,6 @@ class ZsbProtocol(JsonRPCProtocol):
         elif self._sync_out is not None:
             self._sync_out.write(frame)
             self._sync_out.flush()
-
-    def send_notification(self, method: str, params: dict[str, Any]) -> None:
-        self._send_data({"jsonrpc": "2.0", "method": method, "params": params})
 
     def send_output(self, run_id: str | int, session_id: str, stream: str, data: str) -> None:
         """A ``run/output`` frame, assembled directly: the one message whose speed matters.

