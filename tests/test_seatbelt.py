@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.policies import make_policy
 from zsb_rpc.backends import seatbelt
 from zsb_rpc.backends.seatbelt import (
     SANDBOX_EXEC,
@@ -27,22 +28,13 @@ from zsb_rpc.backends.seatbelt import (
     user_temp_dir,
 )
 from zsb_rpc.policy import ResolvedPolicy
-from zsb_rpc.protocol import types as t
 
 BASE_FILE = Path(seatbelt.__file__).with_name("seatbelt_base.sb")
 BASE = BASE_FILE.read_text(encoding="utf-8")
 TMPDIR = "/private/var/folders/zz/abc123/T"
 
 
-def _policy(**overrides) -> ResolvedPolicy:
-    # The same policy as tests/test_units.py::_policy, so both backends are checked on one shape.
-    values = dict(
-        workspace=Path("/w"), writable=(Path("/w"), Path("/data")), denied_write=(Path("/w/locked"),),
-        protected_write=(Path("/w/.bashrc"), Path("/w/.git/hooks")), denied_read=(Path("/h/.ssh"), Path("/h/.netrc")),
-        network="none", environment={}, limits=t.Limits(), memory_strategy="auto", timeout=60.0, output_limit=1,
-    )
-    values.update(overrides)
-    return ResolvedPolicy(**values)
+_policy = make_policy
 
 
 def _workspace_only(root: str = "/w") -> ResolvedPolicy:

@@ -6,22 +6,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.policies import make_policy
 from zsb_rpc.backends.bubblewrap import build_bwrap_argv, classify_failure
-from zsb_rpc.policy import ResolvedPolicy, command_arguments, resolve_policy
+from zsb_rpc.policy import command_arguments, resolve_policy
 from zsb_rpc.protocol import types as t
 from zsb_rpc.protocol.convert import make_converter, structure_params
 from zsb_rpc.protocol.errors import InvalidParams
 from zsb_rpc.runner import _exit_code
 
-
-def _policy(**overrides) -> ResolvedPolicy:
-    values = dict(
-        workspace=Path("/w"), writable=(Path("/w"), Path("/data")), denied_write=(Path("/w/locked"),),
-        protected_write=(Path("/w/.bashrc"), Path("/w/.git/hooks")), denied_read=(Path("/h/.ssh"), Path("/h/.netrc")),
-        network="none", environment={}, limits=t.Limits(), memory_strategy="auto", timeout=60.0, output_limit=1,
-    )
-    values.update(overrides)
-    return ResolvedPolicy(**values)
+_policy = make_policy
 
 
 def test_bwrap_argv_is_exactly_mounts_in_order_then_isolation_then_command():

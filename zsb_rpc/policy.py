@@ -175,6 +175,16 @@ class Placeholder:
     kind: str
 
 
+def add_placeholder(placeholders: list[Placeholder], root: Path, path: Path, kind: str) -> None:
+    """Add ``path`` after the parents below ``root`` that are missing too (made, not protected:
+    ``.config`` for ``.config/git``)."""
+    for relative in reversed(path.relative_to(root).parents[:-1]):
+        parent = Placeholder(root / relative, "dir")
+        if not os.path.lexists(parent.path) and parent not in placeholders:
+            placeholders.append(parent)
+    placeholders.append(Placeholder(path, kind))
+
+
 def _gitdir_of(dotgit: Path) -> Path | None:
     """The repository a ``.git`` file (worktree, submodule) points at."""
     try:
@@ -237,12 +247,7 @@ def protected_in(root: Path, *, create_missing: bool, home_like: bool) -> tuple[
             path = root / name
             if not os.path.lexists(path):
                 found.append(path)
-                # Parents that are missing too (.config for .config/git) are made, not protected.
-                for relative in reversed(path.relative_to(root).parents[:-1]):
-                    parent = Placeholder(root / relative, "dir")
-                    if not os.path.lexists(parent.path) and parent not in missing:
-                        missing.append(parent)
-                missing.append(Placeholder(path, kind))
+                add_placeholder(missing, root, path, kind)
     paths, placeholders = _git_metadata(root / ".git", create_missing)
     found.extend(paths)
     missing.extend(placeholders)
@@ -411,12 +416,7 @@ def resolve_policy(
         # A denied path that does not exist yet is made, so that it cannot be created instead.
         inside = [root for root in roots if path.is_relative_to(root) and path != root]
         if inside and not os.path.lexists(path):
-            root = max(inside, key=lambda r: len(r.parts))
-            for relative in reversed(path.relative_to(root).parents[:-1]):
-                parent = Placeholder(root / relative, "dir")
-                if not os.path.lexists(parent.path) and parent not in placeholders:
-                    placeholders.append(parent)
-            placeholders.append(Placeholder(path, "dir"))
+            add_placeholder(placeholders, max(inside, key=lambda r: len(r.parts)), path, "dir")
 
     kept_denied_read: list[Path] = []
     for index, denied in enumerate(denied_read):
