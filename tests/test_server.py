@@ -289,6 +289,8 @@ async def test_a_restarted_server_removes_what_a_killed_one_left_and_nothing_of_
                 await asyncio.sleep(0.05)
             assert not dead_ws.exists() and not (scratch / ".vscode").exists()
             assert live_ws.exists()
+            # A sandbox that escaped the killed server (still starting when it died) is gone too.
+            assert wait_gone(marker, 5) == []
             assert leftovers() == []
         finally:
             await restarted.aclose()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.policies import make_policy
-from zsb_rpc.backends.bubblewrap import build_bwrap_argv, classify_failure
+from zsb_rpc.backends.bubblewrap import SANDBOX_TAG, build_bwrap_argv, classify_failure
 from zsb_rpc.policy import command_arguments, resolve_policy
 from zsb_rpc.protocol import types as t
 from zsb_rpc.protocol.convert import make_converter, structure_params
@@ -34,7 +34,7 @@ def test_bwrap_argv_is_exactly_mounts_in_order_then_isolation_then_command():
         "--tmpfs", "/h/.ssh", "--remount-ro", "/h/.ssh", "--ro-bind", "/dev/null", "/h/.netrc",
         "--ro-bind", "/dev/null", "/run/daemon.sock",
         "--unshare-all", "--unshare-user", "--cap-drop", "ALL", "--die-with-parent", "--new-session",
-        "--disable-userns",
+        "--hostname", SANDBOX_TAG, "--disable-userns",
         "--chdir", "/w/sub", "--", "/bin/sh", "-c", "echo hi",
     ]
 

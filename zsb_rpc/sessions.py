@@ -320,13 +320,15 @@ class SessionTable:
 
     def remove_stale(self) -> None:
         """What servers killed without cleaning up left behind: workspaces, placeholders, cgroups."""
-        from .backends.bubblewrap import remove_placeholders
+        from .backends.bubblewrap import kill_stale_sandboxes, remove_placeholders
         from .limits.cgroups import SERVER_PREFIX, remove_stale_cgroups
 
         for path in remove_stale_servers(remove_placeholders):
             logger.info("removed %s, left by a server that died", path)
         for path in remove_stale_cgroups(lambda name: stale_server_pid(name, SERVER_PREFIX) is not None):
             logger.info("removed cgroup %s, left by a server that died", path)
+        for pid in kill_stale_sandboxes(lambda pid: stale_server_pid(f"{pid}-", "") is not None):
+            logger.info("killed sandbox %d, left by a server that died", pid)
 
     async def close_all(self) -> None:
         if self._opening:

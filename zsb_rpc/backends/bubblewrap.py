@@ -43,6 +43,34 @@ from ..policy import Placeholder, ResolvedPolicy, symlinked
 from ..protocol.errors import InvalidParams, SpawnFailed
 from .base import Availability, Backend, LaunchSpec
 
+#: What every sandbox of this server carries in its argv (as its hostname).
+SANDBOX_TAG_PREFIX = "zsb-"
+SANDBOX_TAG = f"{SANDBOX_TAG_PREFIX}{os.getpid()}"
+
+
+def kill_stale_sandboxes(is_stale: Callable[[int], bool]) -> list[int]:
+    """Kill the bwrap processes whose server (the pid in their tag) is gone, with their trees."""
+    from ..runner import kill_process_tree
+
+    killed = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
+                argv = handle.read().split(b"\0")
+        except OSError:
+            continue
+        if not argv or not argv[0].endswith(b"bwrap") or b"--hostname" not in argv:
+            continue
+        tag = argv[argv.index(b"--hostname") + 1] if argv.index(b"--hostname") + 1 < len(argv) else b""
+        pid_text = tag[len(SANDBOX_TAG_PREFIX):].decode(errors="replace")
+        if tag.startswith(SANDBOX_TAG_PREFIX.encode()) and pid_text.isdigit() and is_stale(int(pid_text)):
+            kill_process_tree(int(entry.name))
+            killed.append(int(entry.name))
+    return killed
+
+
 #: Distribution security profiles (AppArmor on Ubuntu 24.04) cover this path,
 #: not a copy found elsewhere on PATH.
 PREFERRED_BWRAP = "/usr/bin/bwrap"
@@ -214,6 +242,9 @@ def build_bwrap_argv(
     for path in masked_sockets:
         args += ["--ro-bind", "/dev/null", str(path)]
     args += _BASE_ISOLATION
+    # The sandbox's hostname names its server: a sandbox that outlives a server SIGKILLed while
+    # it was starting (before bwrap armed --die-with-parent) is found by the next one.
+    args += ["--hostname", SANDBOX_TAG]
     if disable_userns:
         # No nested user namespace: it would hand the command fresh capabilities
         # over mounts it creates.
