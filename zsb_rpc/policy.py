@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .protocol.errors import InvalidParams
+from .protocol.errors import InvalidParams, SpawnFailed
 from .protocol.types import Limits
 
 #: Host variables a command receives unless the session says otherwise. Where
@@ -280,6 +280,15 @@ def protected_in(root: Path, *, create_missing: bool, home_like: bool) -> tuple[
             if is_directory and entry.name not in _SKIPPED_DIRECTORIES and depth + 1 < _PROTECTED_SEARCH_DEPTH:
                 pending.append((path, depth + 1))
     return found, missing, False
+
+
+def check_hidden_in_place(policy: ResolvedPolicy) -> None:
+    """Before each command: a hidden path that existed at open and is gone now was moved (a
+    rename outside a run, or by a session with a weaker policy). Every backend hides by path,
+    so the command is refused rather than run with it unmasked under its new name."""
+    for path in policy.hidden_at_open:
+        if not os.path.lexists(path):
+            raise SpawnFailed(f"the hidden path {path} is gone since the session opened; refusing to run")
 
 
 def symlinked(paths: Iterable[Path]) -> list[Path]:

@@ -22,6 +22,7 @@ from .policy import (
     ResolvedPolicy,
     as_path,
     build_environment,
+    check_hidden_in_place,
     check_output_limit,
     check_text,
     check_timeout,
@@ -171,6 +172,7 @@ class SessionTable:
         argv = command_arguments(params.command)
         cwd = self._cwd(session, params.cwd)
         env = build_environment((), {**session.policy.environment, **params.env}, {}, "params.env")
+        check_hidden_in_place(session.policy)
         plan = plan_limits(session.policy.limits, session.policy.memory_strategy,
                            isolated=session.backend.isolated, requested_only=True, allow_cgroups=allow_cgroups)
         return session, argv, cwd, env, plan

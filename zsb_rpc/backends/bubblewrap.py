@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from ..policy import Placeholder, ResolvedPolicy, symlinked
-from ..protocol.errors import InvalidParams, SpawnFailed
+from ..protocol.errors import InvalidParams
 from .base import Availability, Backend, LaunchSpec
 
 #: What every sandbox of this server carries in its argv (as its hostname).
@@ -490,11 +490,6 @@ class BubblewrapBackend(Backend):
         # The host's TMPDIR may point into the host /tmp, which is private here.
         if "TMPDIR" in environment and not _visible(policy, Path(environment["TMPDIR"])):
             environment["TMPDIR"] = "/tmp"
-        vanished = [path for path in policy.hidden_at_open if not os.path.lexists(path)]
-        if vanished:
-            # Moved away since the session opened (a rename outside a run): refuse rather than
-            # run with a hidden path somewhere it is not hidden.
-            raise SpawnFailed(f"the hidden path {vanished[0]} is gone since the session opened; refusing to run")
         ensure_placeholders(policy.placeholders)
         masked = sockets_to_mask(policy, [*host_unix_sockets(), *socket_files(SOCKET_DIRECTORIES)])
         if inline_environment:

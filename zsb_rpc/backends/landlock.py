@@ -43,7 +43,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ..policy import ResolvedPolicy
-from ..protocol.errors import InvalidParams, SpawnFailed
+from ..protocol.errors import InvalidParams
 from .base import Availability, Backend, LaunchSpec, resolve_program
 
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446
@@ -256,10 +256,6 @@ class LandlockBackend(Backend):
         *, writable_files: Sequence[str] = (), inline_environment: bool = False,
     ) -> LaunchSpec:
         private_tmp = policy.private_tmp
-        vanished = [path for path in policy.hidden_at_open if not os.path.lexists(path)]
-        if vanished:
-            # Moved since the session opened: the walk below would grant it under its new name.
-            raise SpawnFailed(f"the hidden path {vanished[0]} is gone since the session opened; refusing to run")
         abi = landlock_abi()
         handled_fs = _fs_rights(abi)
         handled_net = (NET_BIND_TCP | NET_CONNECT_TCP) if abi >= 4 and policy.network == "none" else 0
